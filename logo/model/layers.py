@@ -1,0 +1,108 @@
+"""Small building blocks: RMSNorm, rotary embeddings, SwiGLU feed-forward, packed-sequence metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (fp64 stays fp64, so float64 reference checks stay exact)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32. `shape` is the weight's shape: (D,) for the residual
+    stream, (H, D) for head-wise ContextNorm (each head normalized over its own D channels)."""
+
+    def __init__(self, shape, eps: float = 1e-5):
+        super().__init__()
+        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(self.shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = upcast(x)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.to(xf.dtype)).to(x.dtype)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device,
+                 dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, D/2). Computed per call: cheap, and safe with meta-device init."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, H, D) by position-dependent angles (T, D/2)."""
+    xf = upcast(x).unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :].to(xf.dtype), sin[None, :, None, :].to(xf.dtype)
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float):
+        nn.init.normal_(self.w1.weight, std=std)
+        nn.init.normal_(self.w3.weight, std=std)
+        nn.init.normal_(self.w2.weight, std=out_std)
+
+
+@dataclass
+class PackedSeqs:
+    """Document layout of a (B, T) batch flattened to N = B*T rows.
+
+    cu_seqlens (S+1,) int32 offsets; seq_id (N,) int64 sequence of each row; pos (N,) int32 position inside
+    its sequence; valid (N,) bool (False for padding).
+    """
+
+    batch: int
+    seqlen: int
+    cu_seqlens: torch.Tensor
+    seq_id: torch.Tensor
+    pos: torch.Tensor
+    valid: torch.Tensor
+    has_documents: bool  # True when some sequence is shorter than a row
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @staticmethod
+    def build(batch: int, seqlen: int, device, cu_seqlens: Optional[torch.Tensor] = None,
+              valid: Optional[torch.Tensor] = None) -> "PackedSeqs":
+        n = batch * seqlen
+        rows = torch.arange(0, n + 1, seqlen, device=device, dtype=torch.int32)
+        has_docs = cu_seqlens is not None and cu_seqlens.shape[0] != rows.shape[0]
+        cu = cu_seqlens.to(device=device, dtype=torch.int32) if has_docs else rows
+        if has_docs and not torch.compiler.is_compiling():
+            if cu.dim() != 1 or not bool(torch.isin(rows, cu).all()) or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"cu_seqlens must be increasing offsets over the flattened {batch}x{seqlen} "
+                                 f"batch that include every row boundary (multiples of {seqlen}); "
+                                 f"got {cu.tolist()[:16]}")
+        idx = torch.arange(n, device=device)
+        seq_id = torch.searchsorted(cu[1:].long(), idx, right=True)
+        pos = (idx - cu.long()[seq_id]).to(torch.int32)
+        v = valid.reshape(n).to(device=device, dtype=torch.bool) if valid is not None else \
+            torch.ones(n, dtype=torch.bool, device=device)
+        return PackedSeqs(batch, seqlen, cu, seq_id, pos, v, has_docs)

@@ -1,0 +1,158 @@
+"""The LoGo attention layer (paper Sec. 3.2, Eq. 4-10).
+
+    q, k, v   = x W_q, x W_k, x W_v                         local branch, all tokens
+    u^G_h     = phi_{U,h}(u^L_h)  for u in {q, k, v}          global branch (pre-RoPE transform)
+    p_t       = sigmoid(x_t . w_g) ; z_t = [p_t > b]          one decision per token, shared by all heads
+    O^L       = SWA_w(q, k, v)                                every token
+    O^G_I     = Attn_inf(q^G_I, k^G, v^G)                     selected rows I only (query-sparse)
+    o_t       = (1 - p_t) Norm^L(O^L_t) + p_t Norm^G(O^G_t)   if z_t  (weighted fusion)
+              = Norm^L(O^L_t)                                 otherwise
+    out       = o W_o
+
+Ablation variants (AttentionConfig): transform lp | so | shared | full; context_norm off -> Norm = identity;
+fusion 'additive': o_t = Norm^L(O^L_t) + p_t Norm^G(O^G_t) for selected tokens (CoLT5-style: the local
+output is kept whole and the gate only scales the global addition); budget_control 'aux_loss': see
+`aux_loss` below.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from logo.config import ModelConfig
+from logo.kernels import dispatch
+from logo.model.attention import QKVAttention
+from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, upcast
+from logo.model.routing import compact, route, routing_stats, soft_ratio
+
+
+class BranchTransform(nn.Module):
+    """phi_{U,h}: per-head map from local-branch to global-branch q/k/v (pre-RoPE). Starts as identity.
+
+    lp: u_h A_{U,h} with A (H, D, D); so: u_h * s_{U,h} + b_{U,h}; shared: identity (no parameters).
+    ('full' separate projections live in LoGoAttention since they read x, not u.)
+    """
+
+    def __init__(self, kind: str, n_heads: int, head_dim: int):
+        super().__init__()
+        self.kind = kind
+        if kind == "lp":
+            self.A = nn.Parameter(torch.empty(3, n_heads, head_dim, head_dim))  # (q|k|v, H, D, D)
+        elif kind == "so":
+            self.scale = nn.Parameter(torch.empty(3, n_heads, head_dim))
+            self.offset = nn.Parameter(torch.empty(3, n_heads, head_dim))
+
+    def forward(self, i: int, u: torch.Tensor) -> torch.Tensor:
+        """u (B, T, H, D) -> (B, T, H, D) for branch tensor i (0=q, 1=k, 2=v)."""
+        if self.kind == "lp":
+            return torch.einsum("bthd,hde->bthe", u, self.A[i].to(u.dtype))
+        if self.kind == "so":
+            return u * self.scale[i].to(u.dtype) + self.offset[i].to(u.dtype)
+        return u
+
+    def reset_parameters(self):
+        if self.kind == "lp":
+            with torch.no_grad():
+                self.A.zero_()
+                self.A.add_(torch.eye(self.A.shape[-1], device=self.A.device, dtype=self.A.dtype))
+        elif self.kind == "so":
+            nn.init.ones_(self.scale)
+            nn.init.zeros_(self.offset)
+
+
+class LoGoAttention(QKVAttention):
+    """Coupled local/global branches with token-level routing and a per-layer budget threshold."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        a = cfg.attention
+        H, D = self.n_heads, self.head_dim
+        self.window, self.rho = a.window, a.rho
+        self.transform = BranchTransform(a.transform, H, D)
+        if a.transform == "full":  # separate global W_q, W_k, W_v (about +20% parameters)
+            self.wq_g = nn.Linear(cfg.dim, H * D, bias=False)
+            self.wk_g = nn.Linear(cfg.dim, H * D, bias=False)
+            self.wv_g = nn.Linear(cfg.dim, H * D, bias=False)
+        self.gate = nn.Parameter(torch.empty(cfg.dim))  # w_g
+        self.norm_local = RMSNorm((H, D), eps=cfg.norm_eps) if a.context_norm else nn.Identity()
+        self.norm_global = RMSNorm((H, D), eps=cfg.norm_eps) if a.context_norm else nn.Identity()
+        # Budget threshold b (fp32, checkpointed); updated once per optimizer step by BudgetController.
+        self.register_buffer("threshold", torch.full((1,), 0.5, dtype=torch.float32))
+
+    def init_weights(self, std: float, out_std: float):
+        super().init_weights(std, out_std)
+        a = self.attn_cfg
+        self.transform.reset_parameters()
+        if a.transform == "full":  # start from shared representations, like the identity transforms
+            with torch.no_grad():
+                self.wq_g.weight.copy_(self.wq.weight)
+                self.wk_g.weight.copy_(self.wk.weight)
+                self.wv_g.weight.copy_(self.wv.weight)
+        nn.init.normal_(self.gate, std=a.gate_init_std)
+        for norm in (self.norm_local, self.norm_global):
+            if isinstance(norm, RMSNorm):
+                norm.reset_parameters()
+        self.threshold.fill_(0.5 if a.threshold_init is None else a.threshold_init)
+
+    def global_branch_qkv(self, x, q, k, v):
+        """Pre-RoPE global q, k, v (B, T, H, D)."""
+        if self.attn_cfg.transform == "full":
+            shape = q.shape
+            return self.wq_g(x).view(shape), self.wk_g(x).view(shape), self.wv_g(x).view(shape)
+        return self.transform(0, q), self.transform(1, k), self.transform(2, v)
+
+    def gate_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """p_t = sigmoid(x_t . w_g): x (B, T, d) -> (N,) in at least fp32."""
+        xf = upcast(x.flatten(0, 1))
+        return torch.sigmoid(xf @ self.gate.to(xf.dtype))
+
+    def mix(self, x, cos, sin, seqs: PackedSeqs):
+        """Both branches and the fusion: x (B, T, d) -> o (N, H, D) before W_o, p (N,), z (N,) bool."""
+        a = self.attn_cfg
+        q, k, v = self.project(x)  # (B, T, H, D)
+        qg, kg, vg = self.global_branch_qkv(x, q, k, v)
+
+        p = self.gate_probs(x)  # (N,)
+        z = route(p, self.threshold, seqs)  # (N,) bool
+        sel = compact(z, seqs)
+
+        # Local branch: every token.
+        q, k = apply_rope(q, cos, sin).flatten(0, 1), apply_rope(k, cos, sin).flatten(0, 1)  # (N, H, D)
+        o_local = dispatch.sliding_window_attention(q, k, v.flatten(0, 1), seqs.cu_seqlens, self.window,
+                                                    backend=a.backend)
+        o_local = self.norm_local(o_local)  # (N, H, D)
+
+        # Global branch: selected query rows only; keys/values stay dense.
+        qg = apply_rope(qg, cos, sin).flatten(0, 1)[sel.index]  # (Nq, H, D)
+        kg = apply_rope(kg, cos, sin).flatten(0, 1)
+        o_global = dispatch.query_sparse_attention(qg, kg, vg.flatten(0, 1), sel.q_pos, sel.cu_seqlens_q,
+                                                   seqs.cu_seqlens, backend=a.backend)
+        o_global = self.norm_global(o_global)  # (Nq, H, D)
+
+        p_sel = p[sel.index][:, None, None]  # (Nq, 1, 1): the gate's only path into the output
+        o_sel = upcast(o_local[sel.index])
+        if a.fusion == "weighted":
+            fused = (1.0 - p_sel) * o_sel + p_sel * upcast(o_global)
+        else:  # additive
+            fused = o_sel + p_sel * upcast(o_global)
+        o = o_local.index_copy(0, sel.index, fused.to(o_local.dtype))  # unselected rows: exactly Norm^L(O^L)
+        return o, p, z
+
+    def forward(self, x, cos, sin, seqs: PackedSeqs):
+        """x (B, T, d) -> out (B, T, d), aux_loss scalar or None, routing stats (4,)."""
+        B, T, _ = x.shape
+        o, p, z = self.mix(x, cos, sin, seqs)
+        out = self.wo(o.view(B, T, -1))
+        aux = self.aux_loss(p, seqs) if self.attn_cfg.budget_control == "aux_loss" else None
+        return out, aux, routing_stats(z, p, seqs.valid)
+
+    def aux_loss(self, p, seqs: PackedSeqs) -> torch.Tensor:
+        """Auxiliary-loss budget control (ablation): lambda * (F_soft - rho)^2, where
+        F_soft = mean_valid sigmoid((p - b) / tau) is a differentiable surrogate of the realized ratio.
+        In this mode the threshold only follows the P-mask ramp (b0 -> 0.5, then fixed)."""
+        a = self.attn_cfg
+        f_soft = soft_ratio(p, self.threshold, seqs.valid, a.aux_loss_temperature)
+        return a.aux_loss_coef * (f_soft - self.rho) ** 2
+
+    def global_head_fraction(self) -> float:
+        return self.rho  # target; the realized ratio is reported by the controller

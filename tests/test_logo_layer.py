@@ -1,0 +1,202 @@
+"""Properties of the LoGo layer (paper Eq. 4-10) on random inputs, in float64 unless stated."""
+import math
+
+import pytest
+import torch
+
+from logo.config import AttentionConfig, ModelConfig
+from logo.model.layers import PackedSeqs, rope_cos_sin
+from logo.model.logo_attention import LoGoAttention
+
+
+def make_layer(seed=0, dim=48, heads=3, window=5, randomize=True, **attn):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(dim=dim, n_layers=2, n_heads=heads, vocab_size=64,
+                      attention=AttentionConfig(kind="logo", window=window, **attn)).validate()
+    layer = LoGoAttention(cfg)
+    layer.init_weights(0.3, 0.3)
+    if randomize:  # move every transform/norm/gate parameter off its identity init so it matters
+        with torch.no_grad():
+            for name, prm in layer.named_parameters():
+                if not name.startswith("w"):
+                    prm.add_(0.2 * torch.randn_like(prm))
+            layer.gate.normal_(0, 0.5)
+    return layer.double()
+
+
+def inputs(B, T, dim, docs=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, dim, dtype=torch.float64, generator=g)
+    cu = torch.tensor(docs, dtype=torch.int32) if docs is not None else None
+    seqs = PackedSeqs.build(B, T, "cpu", cu)
+    cos, sin = rope_cos_sin(T, dim // 3 if dim == 48 else dim, 10000.0, "cpu", dtype=torch.float64)
+    return x, seqs, cos, sin
+
+
+def rope_complex(u, theta=10000.0):
+    """Independent RoPE: rotate consecutive pairs as complex numbers. u (T, H, D) float64."""
+    T, H, D = u.shape
+    freqs = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    rot = torch.polar(torch.ones(T, D // 2, dtype=torch.float64), torch.outer(torch.arange(T).double(), freqs))
+    uc = torch.view_as_complex(u.reshape(T, H, D // 2, 2).contiguous())
+    return torch.view_as_real(uc * rot[:, None, :]).reshape(T, H, D)
+
+
+def dense_logo_reference(layer, x, seqs, threshold):
+    """Eq. 4-10 computed densely with explicit T x T masks, one sequence row at a time."""
+    a = layer.attn_cfg
+    B, T, d = x.shape
+    H, D = layer.n_heads, layer.head_dim
+    out = torch.empty(B, T, d, dtype=torch.float64)
+    seq_id = seqs.seq_id.view(B, T)
+    for b in range(B):
+        xb = x[b]
+        q, k, v = (xb @ w.weight.T for w in (layer.wq, layer.wk, layer.wv))
+        q, k, v = (t.view(T, H, D) for t in (q, k, v))
+        if a.transform == "lp":
+            qg, kg, vg = (torch.stack([u[:, h] @ layer.transform.A[i, h] for h in range(H)], 1)
+                          for i, u in enumerate((q, k, v)))
+        elif a.transform == "so":
+            qg, kg, vg = (u * layer.transform.scale[i] + layer.transform.offset[i] for i, u in enumerate((q, k, v)))
+        elif a.transform == "full":
+            qg, kg, vg = ((xb @ w.weight.T).view(T, H, D) for w in (layer.wq_g, layer.wk_g, layer.wv_g))
+        else:
+            qg, kg, vg = q, k, v
+        t_idx = torch.arange(T)
+        same_doc = seq_id[b][:, None] == seq_id[b][None, :]
+        causal = same_doc & (t_idx[None, :] <= t_idx[:, None])
+        local = causal & (t_idx[:, None] - t_idx[None, :] < a.window)
+
+        def attn(qq, kk, vv, mask):
+            s = torch.einsum("thd,shd->hts", rope_complex(qq), rope_complex(kk)) / math.sqrt(D)
+            s = s.masked_fill(~mask[None], float("-inf"))
+            return torch.einsum("hts,shd->thd", s.softmax(-1), vv)
+
+        def norm(o, which):
+            if not a.context_norm:
+                return o
+            w = (layer.norm_local if which == "L" else layer.norm_global).weight
+            return o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+        o_l = norm(attn(q, k, v, local), "L")
+        o_g = norm(attn(qg, kg, vg, causal), "G")
+        p = torch.sigmoid(xb @ layer.gate)[:, None, None]
+        z = (p > threshold)
+        fused = (1 - p) * o_l + p * o_g if a.fusion == "weighted" else o_l + p * o_g
+        o = torch.where(z, fused, o_l)
+        out[b] = o.reshape(T, H * D) @ layer.wo.weight.T
+    return out
+
+
+VARIANTS = [
+    dict(),
+    dict(transform="so"),
+    dict(transform="shared"),
+    dict(transform="full"),
+    dict(context_norm=False),
+    dict(transform="so", context_norm=False),
+    dict(fusion="additive"),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "lp")
+@pytest.mark.parametrize("docs", [None, [0, 9, 20, 22, 23, 40]], ids=["rows", "documents"])
+def test_all_selected_matches_dense_eq10(variant, docs):
+    """With every row selected (b far below p), the layer equals a dense computation of Eq. 10."""
+    layer = make_layer(**variant)
+    x, seqs, cos, sin = inputs(2, 20, 48, docs)
+    layer.threshold.fill_(-1.0)
+    out, _, stats = layer(x, cos, sin, seqs)
+    assert stats[0] == 40  # every row selected
+    torch.testing.assert_close(out, dense_logo_reference(layer, x, seqs, -1.0), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2] + VARIANTS[-1:])
+def test_partial_selection_matches_dense(variant):
+    layer = make_layer(seed=4, **variant)
+    x, seqs, cos, sin = inputs(2, 20, 48, [0, 9, 20, 22, 23, 40], seed=5)
+    b = float(layer.gate_probs(x).detach().median())
+    layer.threshold.fill_(b)
+    out, _, stats = layer(x, cos, sin, seqs)
+    assert 0 < stats[0] < 40
+    torch.testing.assert_close(out, dense_logo_reference(layer, x, seqs, b), atol=1e-10, rtol=0)
+
+
+def local_only_output(layer, x, cos, sin, seqs):
+    """Norm^L(SWA(q, k, v)) for every row, computed without the global branch."""
+    from logo.kernels.reference import sliding_window_attention
+    from logo.model.layers import apply_rope
+    q, k, v = layer.project(x)
+    o = sliding_window_attention(apply_rope(q, cos, sin).flatten(0, 1), apply_rope(k, cos, sin).flatten(0, 1),
+                                 v.flatten(0, 1), seqs.cu_seqlens, layer.window)
+    return layer.norm_local(o)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_unselected_rows_equal_local_output_exactly(dtype, seed):
+    layer = make_layer(seed=seed).to(dtype)
+    x, seqs, cos, sin = inputs(3, 33, 48, seed=seed + 10)
+    x = x.to(dtype)
+    p = layer.gate_probs(x)
+    layer.threshold.fill_(float(p.detach().quantile(0.4)))
+    o, _, z = layer.mix(x, cos, sin, seqs)
+    assert 0 < int(z.sum()) < z.numel()
+    ref = local_only_output(layer, x, cos, sin, seqs)
+    assert torch.equal(o[~z], ref[~z])  # bitwise
+    assert not torch.allclose(o[z], ref[z])  # selected rows really mix in the global branch
+
+
+def test_gate_gradient_flows_only_through_selected_rows():
+    layer = make_layer(seed=3)
+    x, seqs, cos, sin = inputs(2, 25, 48, seed=8)
+    captured = {}
+    original = layer.gate_probs
+
+    def spy(xx):
+        p = original(xx)
+        p.register_hook(lambda g: captured.setdefault("grad", g))
+        return p
+
+    layer.gate_probs = spy
+    layer.threshold.fill_(float(original(x).detach().median()))
+    o, p, z = layer.mix(x, cos, sin, seqs)
+    (o * torch.randn_like(o)).sum().backward()
+    g = captured["grad"]
+    assert torch.all(g[~z] == 0)
+    assert torch.all(g[z] != 0)
+
+
+def test_padding_is_never_routed_nor_counted():
+    layer = make_layer(seed=6)
+    B, T = 2, 16
+    x = torch.randn(B, T, 48, dtype=torch.float64)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 10:] = False
+    seqs = PackedSeqs.build(B, T, "cpu", torch.tensor([0, 16, 26, 32], dtype=torch.int32), valid)
+    cos, sin = rope_cos_sin(T, 16, 10000.0, "cpu", dtype=torch.float64)
+    layer.threshold.fill_(-1.0)  # everything valid selected
+    out, _, stats = layer(x, cos, sin, seqs)
+    _, _, z = layer.mix(x, cos, sin, seqs)
+    assert stats[0] == 26 and stats[1] == 26
+    assert not z.view(B, T)[1, 10:].any()
+
+
+@pytest.mark.parametrize("kind", ["logo", "full", "local", "intra_layer", "inter_layer"])
+def test_attention_never_crosses_documents(kind):
+    from logo.config import model_config
+    from logo.model import Transformer
+    torch.manual_seed(0)
+    cfg = model_config("tiny", vocab_size=500, attention=AttentionConfig(kind=kind, window=4))
+    model = Transformer(cfg)
+    model.init_weights()
+    model.double()  # float64: other documents may change the packing, hence float32 summation order
+    tokens = torch.randint(0, 500, (2, 24))
+    cu = torch.tensor([0, 10, 24, 30, 48], dtype=torch.int32)
+    base = model(tokens, cu_seqlens=cu).logits
+    changed = tokens.clone()
+    changed[0, :10] = torch.randint(0, 500, (10,))  # rewrite the first document of row 0
+    after = model(changed, cu_seqlens=cu).logits
+    torch.testing.assert_close(base[0, 10:], after[0, 10:], atol=1e-12, rtol=0)  # other documents untouched
+    torch.testing.assert_close(base[1], after[1], atol=1e-12, rtol=0)
+    assert not torch.allclose(base[0, :10], after[0, :10])
