@@ -1,0 +1,53 @@
+"""The one place the model calls attention ops through: picks the Triton kernels or the reference.
+
+backend: "auto" -> Triton when the tensors are on CUDA and `logo.kernels.triton` imports, else the reference;
+"reference" -> always the pure-PyTorch reference; "triton" -> always Triton (error if unavailable).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from logo.kernels import reference
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_ops():
+    try:
+        from logo.kernels import triton as triton_ops
+        return triton_ops
+    except Exception:  # noqa: BLE001 - Triton missing or broken: the reference still works
+        return None
+
+
+def _ops(q: torch.Tensor, backend: str):
+    if backend == "reference":
+        return reference
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"unknown attention backend {backend!r}; choose auto, reference or triton")
+    ops = _triton_ops()
+    if ops is not None and hasattr(ops, "query_sparse_attention") and (q.is_cuda or backend == "triton"):
+        return ops
+    if backend == "triton":
+        raise RuntimeError("attention.backend='triton' but logo.kernels.triton could not be imported")
+    return reference
+
+
+def query_sparse_attention(q, k, v, q_pos, cu_seqlens_q, cu_seqlens_k, scale: Optional[float] = None,
+                           backend: str = "auto"):
+    """Causal attention for packed selected query rows over dense keys/values: (Nq, H, D)."""
+    return _ops(q, backend).query_sparse_attention(q, k, v, q_pos, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale: Optional[float] = None,
+                             backend: str = "auto"):
+    """Causal sliding-window attention over packed sequences: (N, H, D)."""
+    return _ops(q, backend).sliding_window_attention(q, k, v, cu_seqlens, window, scale)
+
+
+def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto"):
+    """Dense causal attention inside each packed sequence: every row is a query (N, H, D)."""
+    pos = reference.positions_in_sequence(cu_seqlens, q.shape[0])
+    return query_sparse_attention(q, k, v, pos, cu_seqlens, cu_seqlens, scale, backend=backend)
