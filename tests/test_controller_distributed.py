@@ -1,0 +1,70 @@
+"""BudgetController across 2 gloo ranks: thresholds equal on every rank and equal to one process that sees
+the whole global batch (counts are summed over ranks before the sign is taken)."""
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from logo.config import AttentionConfig, model_config
+from logo.model import BudgetController, Transformer
+
+STEPS, MICRO, B, T = 6, 2, 2, 24
+
+
+def build():
+    torch.manual_seed(0)
+    cfg = model_config("tiny", vocab_size=200,
+                       attention=AttentionConfig(kind="logo", window=4, gamma=0.02, rho=0.3, threshold_init=0.5))
+    model = Transformer(cfg)
+    model.init_weights()
+    with torch.no_grad():
+        for layer in model.logo_layers():
+            layer.gate.normal_(0, 0.5)
+    return model
+
+
+def global_batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 200, (2 * MICRO * B, T), generator=g)  # 2 ranks x MICRO micro-batches x B rows
+
+
+def run_steps(model, ctrl, rows_for_step):
+    history = []
+    for step in range(STEPS):
+        rows = rows_for_step(step)
+        for micro in rows.split(B):
+            with torch.no_grad():
+                ctrl.accumulate(model(micro).routing)
+        ctrl.step()
+        history.append(ctrl.thresholds().clone())
+    return torch.stack(history)
+
+
+def _worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = build()
+        ctrl = BudgetController(model, process_group=dist.group.WORLD)
+        hist = run_steps(model, ctrl, lambda s: global_batch(s).chunk(2)[rank])
+        torch.save(hist, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_thresholds_match_across_ranks_and_single_process(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert torch.equal(r0, r1)
+    model = build()
+    single = run_steps(model, BudgetController(model), global_batch)
+    assert torch.equal(r0, single)
+    assert not torch.equal(single[0], single[-1])  # the thresholds really moved
