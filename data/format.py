@@ -1,0 +1,84 @@
+"""On-disk format of a prepared corpus, and its validation.
+
+DIR/manifest.json          written last (atomically): the corpus exists only once it is there
+DIR/{split}_{i:05d}.bin    uint32 tokens, documents back to back, each ending with EOS
+DIR/{split}_{i:05d}.idx    uint64 end offset (exclusive, within the shard) of every document
+
+manifest = {"format": 1, "tokenizer": {"name", "fingerprint", "eos"}, "source": {...},
+            "num_tokens", "num_documents", "splits": {split: {"num_tokens", "num_documents",
+            "shards": [{"name", "num_tokens", "num_documents", "sha256"}]}}, "skipped": {...}}
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+TOKEN_DTYPE = np.uint32
+INDEX_DTYPE = np.uint64
+
+
+class DataError(ValueError):
+    """Bad data input: the message names the file and the problem."""
+
+
+def shard_name(split: str, i: int) -> str:
+    return f"{split}_{i:05d}"
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(root: Path) -> dict:
+    path = Path(root) / "manifest.json"
+    if not Path(root).is_dir():
+        raise DataError(f"data directory {root} does not exist (prepare it with `python -m data.prepare`)")
+    if not path.exists():
+        raise DataError(f"{path} is missing: {root} is not a prepared corpus, or its preparation did not finish "
+                        f"(re-run `python -m data.prepare ... --out {root}`)")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON ({e})") from None
+    for key in ("format", "tokenizer", "splits", "num_tokens", "num_documents"):
+        if key not in m:
+            raise DataError(f"{path} has no {key!r} field: not a logo corpus manifest")
+    if m["format"] != FORMAT_VERSION:
+        raise DataError(f"{path} has format {m['format']}, this code reads format {FORMAT_VERSION}")
+    return m
+
+
+def check_shard(root: Path, shard: dict, verify_checksum: bool) -> None:
+    """Raise DataError if the shard's files do not match the manifest."""
+    bin_path, idx_path = Path(root) / f"{shard['name']}.bin", Path(root) / f"{shard['name']}.idx"
+    for p in (bin_path, idx_path):
+        if not p.exists():
+            raise DataError(f"shard file {p} listed in the manifest is missing")
+    want = shard["num_tokens"] * np.dtype(TOKEN_DTYPE).itemsize
+    if bin_path.stat().st_size != want:
+        raise DataError(f"shard {bin_path} is truncated or corrupted: {bin_path.stat().st_size} bytes, "
+                        f"the manifest says {shard['num_tokens']} tokens ({want} bytes)")
+    want_idx = shard["num_documents"] * np.dtype(INDEX_DTYPE).itemsize
+    if idx_path.stat().st_size != want_idx:
+        raise DataError(f"document index {idx_path} has {idx_path.stat().st_size} bytes, the manifest says "
+                        f"{shard['num_documents']} documents ({want_idx} bytes)")
+    if verify_checksum and file_sha256(bin_path) != shard["sha256"]:
+        raise DataError(f"shard {bin_path} is corrupted: its sha256 does not match the manifest")
