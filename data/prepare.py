@@ -133,6 +133,7 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
                   "split_docs": {"train": 0, "val": 0}}
     for p in out.glob("*.tmp"):  # half-written shards from an interrupted run
         p.unlink()
+    atomic_write_json(prog_path, resume)
     skip_docs = resume["documents_read"]
     if skip_docs:
         log.info("resuming %s after %d documents (%d finished shards)", out, skip_docs,

@@ -1,0 +1,36 @@
+"""Loader throughput (reading + batching, one process): tokens/s of TokenLoader.next_step().
+
+    python benchmarks/loader_throughput.py [--seq 8192] [--global-batch 64] [--micro 8] [--seconds 5]
+Uses the embedded default corpus (built on first use).
+"""
+import argparse
+import time
+
+from data.default_corpus import ensure_default_corpus
+from data.loader import ShardDataset, TokenLoader
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--no-doc-mask", action="store_true")
+    args = ap.parse_args()
+    ds = ShardDataset(ensure_default_corpus())
+    loader = TokenLoader(ds, args.seq, args.global_batch, args.micro, seed=0, document_mask=not args.no_doc_mask)
+    rates = []
+    for _ in range(5):
+        t0, tokens = time.perf_counter(), 0
+        while time.perf_counter() - t0 < args.seconds / 5:
+            for b in loader.next_step():
+                tokens += b.inputs.numel()
+        rates.append(tokens / (time.perf_counter() - t0))
+    rates.sort()
+    print(f"seq={args.seq} global_batch={args.global_batch} micro={args.micro} doc_mask={not args.no_doc_mask}: "
+          f"median {rates[2] / 1e6:.1f}M tokens/s (min {rates[0] / 1e6:.1f}M, max {rates[-1] / 1e6:.1f}M)")
+
+
+if __name__ == "__main__":
+    main()
