@@ -6,7 +6,7 @@ DIR/{split}_{i:05d}.idx    uint64 end offset (exclusive, within the shard) of ev
 
 manifest = {"format": 1, "tokenizer": {"name", "fingerprint", "eos"}, "source": {...},
             "num_tokens", "num_documents", "splits": {split: {"num_tokens", "num_documents",
-            "shards": [{"name", "num_tokens", "num_documents", "sha256"}]}}, "skipped": {...}}
+            "shards": [{"name", "num_tokens", "num_documents", "sha256", "idx_sha256"}]}}, "skipped": {...}}
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-shard idx_sha256
 TOKEN_DTYPE = np.uint32
 INDEX_DTYPE = np.uint64
 
@@ -80,5 +80,8 @@ def check_shard(root: Path, shard: dict, verify_checksum: bool) -> None:
     if idx_path.stat().st_size != want_idx:
         raise DataError(f"document index {idx_path} has {idx_path.stat().st_size} bytes, the manifest says "
                         f"{shard['num_documents']} documents ({want_idx} bytes)")
-    if verify_checksum and file_sha256(bin_path) != shard["sha256"]:
-        raise DataError(f"shard {bin_path} is corrupted: its sha256 does not match the manifest")
+    if verify_checksum:
+        if file_sha256(bin_path) != shard["sha256"]:
+            raise DataError(f"shard {bin_path} is corrupted: its sha256 does not match the manifest")
+        if file_sha256(idx_path) != shard.get("idx_sha256"):
+            raise DataError(f"document index {idx_path} is corrupted: its sha256 does not match the manifest")

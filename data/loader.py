@@ -4,7 +4,9 @@ Training instances are windows of seq_len + 1 tokens of the split's token stream
 i * seq_len (inputs = window[:-1], labels = window[1:]). Each epoch visits all instances in the order
 `permutation(num_instances)` drawn from (seed, epoch); global batch b of an epoch is order[b*G:(b+1)*G],
 whatever the number of data-parallel ranks, and rank r takes its contiguous slice, split into micro-batches.
-The state is (batches consumed, epoch, seed) plus the corpus fingerprint: resuming is exact.
+The state is (batches consumed, epoch, seed) plus the corpus fingerprint: resuming is exact. The tail of the
+stream after the last whole window, and the instances after the last whole global batch of an epoch, are
+not trained on that epoch. iter_eval() walks the split in order instead, tail included (padded).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class Batch:
 
 
 class ShardDataset:
-    """One split of a prepared corpus, memory-mapped, as one flat token stream with document ends."""
+    """One split of a prepared corpus as one flat token stream; shards and document indexes memory-mapped."""
 
     def __init__(self, path, split: str = "train", tokenizer: Optional[str] = None,
                  verify_checksums: Optional[bool] = None):
@@ -54,30 +56,34 @@ class ShardDataset:
         self.split = split
         self.eos = tok["eos"]
         self.vocab_size = tok.get("vocab_size")
-        self.tokens: list[np.memmap] = []
-        ends, offset = [], 0
+        self.tokens: list[np.ndarray] = []  # per shard: (n_s,) uint32
+        self.ends: list[np.ndarray] = []  # per shard: (docs_s,) uint64 exclusive document ends, local
         for shard in info["shards"]:
             check_shard(self.root, shard, verify_checksums)
             t = np.memmap(self.root / f"{shard['name']}.bin", dtype=TOKEN_DTYPE, mode="r")
-            e = np.fromfile(self.root / f"{shard['name']}.idx", dtype=INDEX_DTYPE).astype(np.int64)
-            if e.size and (e[-1] != t.size or np.any(np.diff(e) <= 0)):
-                raise DataError(f"document index of shard {shard['name']} in {self.root} does not match its tokens")
-            self.tokens.append(t)
-            ends.append(e + offset)
-            offset += t.size
-        self.num_tokens = offset
+            e = np.memmap(self.root / f"{shard['name']}.idx", dtype=INDEX_DTYPE, mode="r")
+            bad_order = verify_checksums and np.any(np.diff(e.astype(np.int64)) <= 0)
+            if int(e[-1]) != t.size or bad_order:
+                raise DataError(f"document index {self.root / shard['name']}.idx does not match its shard "
+                                f"(last end {int(e[-1])}, {t.size} tokens{', ends not increasing' if bad_order else ''})")
+            self.tokens.append(t.view(np.ndarray))  # plain views of the maps: no memmap overhead per slice
+            self.ends.append(e.view(np.ndarray))
+        self.shard_starts = np.cumsum([0] + [t.size for t in self.tokens])  # (n_shards+1,) int64
+        self.num_tokens = int(self.shard_starts[-1])
         if self.num_tokens != info["num_tokens"]:
             raise DataError(f"{self.root}: shards hold {self.num_tokens} tokens, the manifest says {info['num_tokens']}")
-        self.doc_ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)  # global exclusive ends
-        self.shard_starts = np.cumsum([0] + [t.size for t in self.tokens])
+        self.num_documents = int(info["num_documents"])
         fp = json.dumps({k: self.manifest[k] for k in ("tokenizer", "splits")}, sort_keys=True)
         self.fingerprint = hashlib.sha256(fp.encode()).hexdigest()[:16] + f":{split}"
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start+length) of the split's stream (may span shards)."""
-        out = np.empty(length, dtype=np.int64)
-        s = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
-        pos, filled = start - self.shard_starts[s], 0
+    def _shard_of(self, pos: int) -> int:
+        return int(np.searchsorted(self.shard_starts, pos, side="right")) - 1
+
+    def read(self, start: int, length: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Tokens [start, start+length) of the split's stream (may span shards) -> (length,) int64."""
+        out = np.empty(length, dtype=np.int64) if out is None else out
+        s = self._shard_of(start)
+        pos, filled = start - int(self.shard_starts[s]), 0
         while filled < length:
             take = min(length - filled, self.tokens[s].size - pos)
             out[filled:filled + take] = self.tokens[s][pos:pos + take]
@@ -85,10 +91,18 @@ class ShardDataset:
         return out
 
     def doc_boundaries(self, start: int, length: int) -> np.ndarray:
-        """Offsets (relative to start) in (0, length) where a new document begins."""
-        lo = np.searchsorted(self.doc_ends, start, side="right")
-        hi = np.searchsorted(self.doc_ends, start + length, side="left")
-        return self.doc_ends[lo:hi] - start
+        """Offsets (relative to start) in (0, length) where a new document begins -> (k,) int64."""
+        found, stop = [], start + length
+        s = self._shard_of(start)
+        while s < len(self.tokens) and self.shard_starts[s] < stop:
+            base = int(self.shard_starts[s])
+            e = self.ends[s]  # searched in place: dtype-matched keys keep it a binary search on the map
+            lo = int(np.searchsorted(e, np.uint64(max(start - base, 0)), side="right"))
+            hi = int(np.searchsorted(e, np.uint64(stop - base), side="left"))
+            if hi > lo:
+                found.append(e[lo:hi].astype(np.int64) + (base - start))
+            s += 1
+        return np.concatenate(found) if found else np.zeros(0, np.int64)
 
 
 class TokenLoader:
@@ -100,16 +114,13 @@ class TokenLoader:
         self.ds, self.T, self.G, self.M = dataset, seq_len, global_batch, micro_batch
         self.rank, self.world, self.seed, self.document_mask = dp_rank, dp_world, seed, document_mask
         self.num_instances = (dataset.num_tokens - 1) // seq_len
-        self.batches_per_epoch = self.num_instances // global_batch
-        if self.batches_per_epoch == 0:
-            raise DataError(f"{dataset.root} split {dataset.split!r} has {dataset.num_tokens} tokens: fewer than one "
-                            f"global batch of {global_batch} x {seq_len + 1} tokens")
+        self.batches_per_epoch = self.num_instances // global_batch  # may be 0 for an eval-only loader
         self.batches_consumed = 0
         self._order_epoch, self._order = -1, None
 
     @property
     def epoch(self) -> int:
-        return self.batches_consumed // self.batches_per_epoch
+        return self.batches_consumed // max(self.batches_per_epoch, 1)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
@@ -119,22 +130,42 @@ class TokenLoader:
 
     def global_batch_instances(self, b: int) -> np.ndarray:
         """Instance ids of global batch b (counted from the start of training), for every rank."""
+        if self.batches_per_epoch == 0:
+            raise DataError(f"{self.ds.root} split {self.ds.split!r} has {self.ds.num_tokens} tokens: fewer than "
+                            f"one global batch of {self.G} x {self.T + 1} tokens to train on")
         epoch, i = divmod(b, self.batches_per_epoch)
         return self._epoch_order(epoch)[i * self.G:(i + 1) * self.G]
 
     def _make_batch(self, instances: np.ndarray) -> Batch:
-        T = self.T
-        windows = np.stack([self.ds.read(int(i) * T, T + 1) for i in instances])  # (M, T+1)
+        """Rows for instance ids (M,); an id of -1 is a padding row. Windows cut by the end of the stream
+        (eval only) are padded with EOS, valid=False, label -100."""
+        T, n_tok = self.T, self.ds.num_tokens
+        windows = np.full((len(instances), T + 1), self.ds.eos, dtype=np.int64)  # (M, T+1)
+        n_valid = np.zeros(len(instances), dtype=np.int64)  # (M,) valid input positions per row
+        for r, i in enumerate(instances.tolist()):
+            if i < 0:
+                continue
+            avail = min(T + 1, n_tok - i * T)
+            self.ds.read(i * T, avail, out=windows[r, :avail])
+            n_valid[r] = avail - 1
         inputs = torch.from_numpy(windows[:, :-1].copy())
         labels = torch.from_numpy(windows[:, 1:].copy())
-        valid = torch.ones(inputs.shape, dtype=torch.bool)
+        if (n_valid == T).all():
+            valid = torch.ones(inputs.shape, dtype=torch.bool)
+        else:
+            valid = torch.arange(T)[None, :] < torch.from_numpy(n_valid)[:, None]  # (M, T) bool
+            labels[~valid] = IGNORE_INDEX
         cu = None
         if self.document_mask:
             offs = [0]
-            for r, i in enumerate(instances):
-                offs.extend((self.ds.doc_boundaries(int(i) * T, T) + r * T).tolist())
+            for r, i in enumerate(instances.tolist()):
+                nv = int(n_valid[r])
+                if nv > 0:
+                    offs.extend((self.ds.doc_boundaries(i * T, nv) + r * T).tolist())
+                if 0 < nv < T:
+                    offs.append(r * T + nv)  # padding is a segment of its own
                 offs.append((r + 1) * T)
-            cu = torch.tensor(offs, dtype=torch.int32)
+            cu = torch.tensor(offs, dtype=torch.int32)  # (S+1,) int32
         return Batch(inputs, labels, cu, valid)
 
     def next_step(self) -> list[Batch]:
@@ -145,13 +176,26 @@ class TokenLoader:
         self.batches_consumed += 1
         return [self._make_batch(mine[j:j + self.M]) for j in range(0, per_rank, self.M)]
 
+    def num_eval_batches(self) -> int:
+        """Micro-batches iter_eval() yields on every rank (equal on all ranks)."""
+        n_inst = -(-(self.ds.num_tokens - 1) // self.T)  # the last window may be short
+        per_rank = -(-n_inst // self.world)
+        return -(-per_rank // self.M)
+
     def iter_eval(self, max_batches: Optional[int] = None) -> Iterator[Batch]:
-        """Sequential, unshuffled micro-batches of this rank's share of the split (for perplexity)."""
-        ids = np.arange(self.num_instances)[self.rank::self.world]
-        for n, j in enumerate(range(0, len(ids), self.M)):
-            if max_batches is not None and n >= max_batches:
-                return
-            yield self._make_batch(ids[j:j + self.M])
+        """The whole split once, in order, no shuffle, for perplexity: window i = tokens [i*T, i*T+T+1), the
+        last one short; rank r takes windows r, r+W, ... Every rank yields num_eval_batches() micro-batches of
+        shape (M, T): missing rows are padding (valid False, labels -100), so collectives stay in step.
+        Each predicted token is counted exactly once over all ranks."""
+        n_inst = -(-(self.ds.num_tokens - 1) // self.T)
+        n_batches = self.num_eval_batches()
+        if max_batches is not None:
+            n_batches = min(n_batches, max_batches)
+        ids = np.full(n_batches * self.M, -1, dtype=np.int64)
+        mine = np.arange(self.rank, n_inst, self.world)[: len(ids)]
+        ids[: len(mine)] = mine
+        for j in range(n_batches):
+            yield self._make_batch(ids[j * self.M:(j + 1) * self.M])
 
     def state_dict(self) -> dict:
         return dict(batches_consumed=self.batches_consumed, epoch=self.epoch, seed=self.seed,

@@ -2,6 +2,7 @@
 
     python -m data.prepare 'corpus/*.jsonl' --out DIR [--text-field text] [--workers N] [--val-fraction 0.005]
     python -m data.prepare --hf-dataset NAME [--hf-config C] [--hf-split train] [--streaming] --out DIR
+    python -m data.prepare --hf-dataset json --hf-data-files 'dir/*.jsonl' --streaming --out DIR
 
 Documents are tokenized in parallel worker processes (order preserved), each followed by EOS, and streamed
 into shards of --shard-tokens tokens: memory stays bounded whatever the corpus size. Every document goes to
@@ -20,7 +21,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -84,14 +85,33 @@ class ShardWriter:
                 self._open()
             return None
         idx_tmp = self.out / f"{self.name}.idx.tmp"
-        np.asarray(self.ends, dtype=INDEX_DTYPE).tofile(idx_tmp)
+        idx_bytes = np.asarray(self.ends, dtype=INDEX_DTYPE).tobytes()  # (docs,) uint64 exclusive ends
+        with open(idx_tmp, "wb") as f:
+            f.write(idx_bytes)
+            f.flush()
+            os.fsync(f.fileno())
         idx_tmp.replace(self.out / f"{self.name}.idx")
-        self.bin_tmp.replace(self.out / f"{self.name}.bin")
-        shard = dict(name=self.name, num_tokens=self.n, num_documents=len(self.ends), sha256=self.hash.hexdigest())
+        self.bin_tmp.replace(self.out / f"{self.name}.bin")  # the .bin appears last: complete shard
+        _fsync_dir(self.out)
+        shard = dict(name=self.name, num_tokens=self.n, num_documents=len(self.ends), sha256=self.hash.hexdigest(),
+                     idx_sha256=hashlib.sha256(idx_bytes).hexdigest())
         self.done.append(shard)
         if reopen:
             self._open()
         return shard
+
+
+def _our_files(out: Path, suffix: str = "*") -> list[Path]:
+    """Shard files (and their .tmp) this module writes in `out`; nothing else there is touched."""
+    return [p for split in ("train", "val") for p in out.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9].{suffix}")]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
@@ -100,10 +120,26 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _bounded_ordered_map(pool, fn, items: Iterable, max_pending: int) -> Iterator:
+    """pool.imap with back-pressure: at most `max_pending` items in flight, results in input order.
+
+    (Pool.imap reads its whole input ahead, which would pull a corpus larger than RAM into memory.)"""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= max_pending:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = "cl100k_base",
             workers: int = 1, val_fraction: float = 0.005, shard_tokens: int = 100_000_000,
             overwrite: bool = False, progress: bool = True, stats: Optional[Counter] = None) -> dict:
-    """Tokenize `documents` into shards under `out`; returns the manifest."""
+    """Tokenize `documents` into shards under `out`; returns the manifest.
+
+    `stats` is the source's own counter (bad bytes...), filled while `documents` is iterated; it is merged
+    into the manifest's `skipped`. The source must yield the same documents in the same order when re-run."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction={val_fraction} must be in [0, 1)")
     out.mkdir(parents=True, exist_ok=True)
@@ -122,28 +158,29 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
     resume = {"settings": None}
     if prog_path.exists() and not overwrite:
         resume = json.loads(prog_path.read_text())
-        if resume["settings"] != settings:
+        if resume["settings"] != settings and resume["documents_read"] == 0:
+            resume = {"settings": None}  # nothing finished yet (e.g. a run that failed on a bad argument)
+        elif resume["settings"] != settings:
             raise DataError(f"{out} holds an interrupted preparation with other settings; use --overwrite "
                             f"or another --out")
     if overwrite or resume["settings"] is None:
-        for p in list(out.glob("*.bin")) + list(out.glob("*.idx")) + list(out.glob("*.tmp")) + \
-                [out / "manifest.json", prog_path]:
+        for p in _our_files(out) + [out / "manifest.json", prog_path]:
             p.unlink(missing_ok=True)
-        resume = {"settings": settings, "documents_read": 0, "stats": {}, "shards": {"train": [], "val": []},
-                  "split_docs": {"train": 0, "val": 0}}
-    for p in out.glob("*.tmp"):  # half-written shards from an interrupted run
+        resume = {"settings": settings, "documents_read": 0, "counts": {}, "shards": {"train": [], "val": []}}
+    for p in _our_files(out, "*.tmp"):  # half-written shards from an interrupted run
         p.unlink()
     atomic_write_json(prog_path, resume)
     skip_docs = resume["documents_read"]
     if skip_docs:
         log.info("resuming %s after %d documents (%d finished shards)", out, skip_docs,
                  sum(len(v) for v in resume["shards"].values()))
-    stats.update(resume.get("stats", {}))
+    # Our own counts are restored; the source's are recounted as it re-reads the documents it skips.
+    counts = Counter(resume.get("counts", {}))
     val_every = round(1 / val_fraction) if val_fraction > 0 else 0
     writers = {s: ShardWriter(out, s, shard_tokens, resume["shards"][s]) for s in ("train", "val")}
 
     def checkpoint(docs_read: int):
-        atomic_write_json(prog_path, dict(settings=settings, documents_read=docs_read, stats=dict(stats),
+        atomic_write_json(prog_path, dict(settings=settings, documents_read=docs_read, counts=dict(counts),
                                           shards={s: w.done for s, w in writers.items()}))
 
     docs_iter = islice(iter(documents), skip_docs, None)
@@ -158,12 +195,12 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
         _init_worker(tokenizer)
     try:
         batches = _batched(docs_iter, 64)
-        results = pool.imap(_tokenize, batches, chunksize=4) if pool else map(_tokenize, batches)
+        results = _bounded_ordered_map(pool, _tokenize, batches, 4 * workers) if pool else map(_tokenize, batches)
         for toks in results:
             for t in toks:
                 i, doc_index = doc_index, doc_index + 1
                 if t.size == 1:  # only EOS: an empty document
-                    stats["empty_documents_skipped"] += 1
+                    counts["empty_documents_skipped"] += 1
                     continue
                 split = "val" if val_every and i % val_every == val_every - 1 else "train"
                 writers[split].add(t)
@@ -183,6 +220,7 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
             bar.close()
     for w in writers.values():
         w.finish()
+    skipped = dict(sorted((stats + counts).items()))
     splits = {s: dict(num_tokens=sum(x["num_tokens"] for x in w.done),
                       num_documents=sum(x["num_documents"] for x in w.done), shards=w.done)
               for s, w in writers.items()}
@@ -193,10 +231,10 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
                                    eos=enc.eot_token, vocab_size=enc.n_vocab),
                     num_tokens=sum(s["num_tokens"] for s in splits.values()),
                     num_documents=sum(s["num_documents"] for s in splits.values()),
-                    splits=splits, skipped=dict(stats))
+                    splits=splits, skipped=skipped)
     atomic_write_json(out / "manifest.json", manifest)
     prog_path.unlink(missing_ok=True)
-    for k, v in stats.items():
+    for k, v in skipped.items():
         log.warning("%s: %d", k.replace("_", " "), v)
     log.info("prepared %s: %d documents, %d tokens (train %d / val %d) in %.1fs", out, manifest["num_documents"],
              manifest["num_tokens"], splits["train"]["num_tokens"], splits["val"]["num_tokens"], time.time() - t0)
@@ -212,6 +250,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--hf-dataset", help="Hugging Face dataset name, or a local save_to_disk directory")
     ap.add_argument("--hf-config")
     ap.add_argument("--hf-split", default="train")
+    ap.add_argument("--hf-data-files", nargs="+", help="data_files for a packaged builder, e.g. "
+                    "--hf-dataset json --hf-data-files 'a/*.jsonl'")
     ap.add_argument("--streaming", action="store_true", help="stream the HF dataset (preparation only)")
     ap.add_argument("--tokenizer", default="cl100k_base")
     ap.add_argument("--workers", type=int, default=max(1, mp.cpu_count() - 1))
@@ -226,8 +266,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.inputs:
                 raise DataError("give either input files or --hf-dataset, not both")
             source = dict(hf_dataset=args.hf_dataset, config=args.hf_config, split=args.hf_split,
-                          text_field=args.text_field)
-            docs = iter_hf(args.hf_dataset, args.hf_config, args.hf_split, args.text_field, args.streaming)
+                          data_files=args.hf_data_files, text_field=args.text_field)
+            docs = iter_hf(args.hf_dataset, args.hf_config, args.hf_split, args.text_field, args.streaming, stats,
+                           data_files=args.hf_data_files)
         else:
             if not args.inputs:
                 raise DataError("no input: give files/globs or --hf-dataset NAME")

@@ -47,6 +47,17 @@ def _decode(raw: bytes, stats: Counter) -> str:
         return raw.decode("utf-8", errors="ignore")
 
 
+def _clean(text, stats: Counter) -> str:
+    """str(text), with lone surrogates (from JSON escapes such as \\ud800) dropped and counted."""
+    text = "" if text is None else str(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        stats["documents_with_bad_bytes"] += 1
+        text = text.encode("utf-8", errors="ignore").decode("utf-8")
+    return text
+
+
 def _jsonl(path: Path, field: str, stats: Counter) -> Iterator[str]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -60,7 +71,7 @@ def _jsonl(path: Path, field: str, stats: Counter) -> Iterator[str]:
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
                 raise DataError(f"{path}:{lineno}: no text field {field!r} (fields: {keys}); "
                                 f"choose one with --text-field")
-            yield str(row[field])
+            yield _clean(row[field], stats)
 
 
 def _parquet(path: Path, field: str, stats: Counter) -> Iterator[str]:
@@ -74,7 +85,7 @@ def _parquet(path: Path, field: str, stats: Counter) -> Iterator[str]:
                         f"choose one with --text-field")
     for batch in pf.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
-            yield "" if text is None else str(text)
+            yield _clean(text, stats)
 
 
 def _txt(path: Path, stats: Counter) -> Iterator[str]:
@@ -92,8 +103,10 @@ def iter_files(files: list[Path], field: str, stats: Counter) -> Iterator[str]:
             yield from _txt(path, stats)
 
 
-def iter_hf(name: str, config: Optional[str], split: str, field: str, streaming: bool) -> Iterator[str]:
-    """A Hugging Face dataset by hub name, or a local `save_to_disk` directory."""
+def iter_hf(name: str, config: Optional[str], split: str, field: str, streaming: bool, stats: Counter,
+            data_files: Optional[list[str]] = None) -> Iterator[str]:
+    """A Hugging Face dataset by hub name (or a packaged builder with `data_files`), or a local
+    `save_to_disk` directory."""
     import datasets
     try:
         if Path(name).is_dir():
@@ -103,7 +116,7 @@ def iter_hf(name: str, config: Optional[str], split: str, field: str, streaming:
                     raise DataError(f"dataset {name} has no split {split!r} (splits: {list(ds)})")
                 ds = ds[split]
         else:
-            ds = datasets.load_dataset(name, config, split=split, streaming=streaming)
+            ds = datasets.load_dataset(name, config, split=split, streaming=streaming, data_files=data_files)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - network, missing dataset, bad config...
@@ -112,5 +125,8 @@ def iter_hf(name: str, config: Optional[str], split: str, field: str, streaming:
     names = getattr(ds, "column_names", None)
     if names is not None and field not in names:
         raise DataError(f"dataset {name!r} has no text field {field!r} (columns: {names}); use --text-field")
-    for row in ds:
-        yield str(row[field])
+    for i, row in enumerate(ds):
+        if field not in row:  # streaming datasets may not know their columns up front
+            raise DataError(f"dataset {name!r} row {i}: no text field {field!r} (fields: {sorted(row)}); "
+                            f"use --text-field")
+        yield _clean(row[field], stats)
