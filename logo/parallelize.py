@@ -1,0 +1,70 @@
+"""Apply parallelism and memory/speed wrappers to a plain `Transformer`.
+
+The model module knows nothing of what happens here. Order (as in torchtitan): torch.compile of the dense
+block parts, activation checkpointing (torchtitan's `apply_ac`), then FSDP2 data parallelism: `fully_shard`
+on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
+`MixedPrecisionPolicy`. FSDP's own gradient division is switched off: the trainer divides the loss by the
+global number of target tokens, so a step's gradient is the same token mean over the global batch for any
+number of ranks (and equal to a single-process run of the same batch).
+
+Only APIs present in torch 2.11 .. 2.13 are used (`torch.distributed.fsdp.fully_shard`,
+`FSDPModule.set_gradient_divide_factor`, `init_device_mesh`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger("logo")
+
+
+def build_dp_mesh(device_type: str) -> Optional[DeviceMesh]:
+    """A 1-D data-parallel mesh over all ranks, or None in a single process.
+
+    Built with `init_device_mesh` directly: torchtitan 0.2.2's `ParallelDims.build_mesh` takes its device type
+    from `torchtitan.tools.utils.device_type`, which is "cuda" even on a machine without GPUs, so it cannot
+    build the gloo/CPU mesh used by CPU runs and tests.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+
+
+def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2: one unit per transformer block, one for the embedding, one for norm+head, and the root."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    fully_shard(model.tok_embeddings, **kw)
+    for block in model.layers.values():
+        fully_shard(block, **kw)
+    # The head is used right after the last block; keeping it unsharded after forward saves one all-gather.
+    fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
+    fully_shard(model, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+
+
+def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dtype: torch.dtype,
+                activation_checkpointing: bool = False, compile_blocks: bool = False) -> torch.nn.Module:
+    """In place: compile, then activation checkpointing, then FSDP2 over dp_mesh (when there is one)."""
+    if compile_blocks:
+        # Only the dense parts of each block are compiled: LoGo routing has data-dependent shapes and the
+        # attention ops are their own kernels.
+        for block in model.layers.values():
+            block.feed_forward = torch.compile(block.feed_forward)
+    if activation_checkpointing:
+        from torchtitan.config.job_config import ActivationCheckpoint
+        from torchtitan.distributed.activation_checkpoint import apply_ac
+        apply_ac(model, ActivationCheckpoint(mode="full"))
+    if dp_mesh is not None:
+        apply_fsdp(model, dp_mesh, param_dtype)
+        if dist.get_rank() == 0:
+            log.info("FSDP2 data parallel over %d ranks (%s mesh, params in %s, gradients reduced in fp32)",
+                     dp_mesh.size(), dp_mesh.device_type, str(param_dtype).removeprefix("torch."))
+    return model

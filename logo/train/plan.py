@@ -1,0 +1,103 @@
+"""The resolved training plan: everything derived from the token budget and the world size."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from logo.config import ConfigError
+from logo.model import Transformer
+from logo.model.flops import attention_budget, attention_flops_per_token, param_counts, train_flops_per_token
+from logo.train.config import Config
+
+
+@dataclass
+class Plan:
+    run_name: str
+    run_dir: str
+    world_size: int
+    params_total: int
+    params_non_embedding: int
+    seq_len: int
+    tokens_total: int
+    global_batch_tokens: int
+    global_batch: int  # sequences
+    micro_batch: int  # sequences per rank per forward
+    grad_accum: int
+    steps: int
+    warmup_steps: int
+    pmask_steps: int
+    threshold_init: float
+    lr: float
+    lr_min: float
+    attention_budget: float
+    attention_flops_per_token: float
+    train_flops_per_token: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def table(self) -> str:
+        rows = [("run", self.run_name), ("run dir", self.run_dir), ("world size", self.world_size),
+                ("params (total)", f"{self.params_total:,}"),
+                ("params (non-embedding)", f"{self.params_non_embedding:,}"),
+                ("sequence length", self.seq_len), ("tokens (total)", f"{self.tokens_total:,}"),
+                ("global batch", f"{self.global_batch_tokens:,} tokens = {self.global_batch} sequences"),
+                ("micro batch x grad accum x ranks", f"{self.micro_batch} x {self.grad_accum} x {self.world_size}"),
+                ("steps", f"{self.steps:,} (warmup {self.warmup_steps:,})"),
+                ("P-mask steps", f"{self.pmask_steps:,}"), ("threshold init", f"{self.threshold_init:.4f}"),
+                ("learning rate", f"{self.lr:g} -> {self.lr_min:g} (cosine)"),
+                ("attention budget", f"{self.attention_budget:.3f}"),
+                ("attention FLOPs / token", f"{self.attention_flops_per_token:.4g}"),
+                ("train FLOPs / token", f"{self.train_flops_per_token:.4g}")]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+    def write(self, run_dir: Path) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "plan.json").write_text(json.dumps(self.to_json(), indent=1))
+
+
+def run_name(cfg: Config, attention_name: str) -> str:
+    """Deterministic (never a timestamp): run.name, else <experiment> or <model>-<attention>, plus the stage."""
+    if cfg.run.name:
+        return cfg.run.name
+    base = cfg.experiment.replace("/", "-") if cfg.experiment else f"{cfg.model.name}-{attention_name}"
+    return f"{base}-{cfg.stage.name}"
+
+
+def make_plan(cfg: Config, world_size: int, attention_name: str = "") -> Plan:
+    """Derive steps, batch split, P-mask and threshold from the config; errors name the offending field."""
+    with torch.device("meta"):
+        total, non_emb = param_counts(Transformer(cfg.model))
+    s, t = cfg.stage, cfg.train
+    tokens = s.tokens if s.tokens > 0 else int(round(s.tokens_per_param * total))
+    global_batch = s.global_batch_tokens // s.seq_len
+    per_rank, rem = divmod(global_batch, world_size)
+    if rem or per_rank == 0:
+        raise ConfigError(f"invalid config stage.global_batch_tokens={s.global_batch_tokens}: its {global_batch} "
+                          f"sequences of {s.seq_len} tokens cannot be split evenly over {world_size} ranks")
+    micro = min(t.micro_batch, per_rank)
+    if per_rank % micro:
+        raise ConfigError(f"invalid config train.micro_batch={t.micro_batch}: each of the {world_size} ranks gets "
+                          f"{per_rank} sequences per step, which is not a multiple of it")
+    steps = t.steps if t.steps > 0 else max(1, math.ceil(tokens / s.global_batch_tokens))
+    if t.steps > 0:
+        tokens = steps * s.global_batch_tokens
+    a = cfg.model.attention
+    # A stage that starts from a previous stage's checkpoint keeps its thresholds: no new P-mask ramp.
+    pmask_steps = int(round(a.pmask_fraction * steps)) if a.pmask and not cfg.checkpoint.init_from else 0
+    name = run_name(cfg, attention_name or cfg.model.attention.kind)
+    run_dir = cfg.run.dir or str(Path("runs") / name)
+    return Plan(run_name=name, run_dir=run_dir, world_size=world_size, params_total=total,
+                params_non_embedding=non_emb, seq_len=s.seq_len, tokens_total=tokens,
+                global_batch_tokens=s.global_batch_tokens, global_batch=global_batch, micro_batch=micro,
+                grad_accum=per_rank // micro, steps=steps, warmup_steps=int(round(s.warmup_fraction * steps)),
+                pmask_steps=pmask_steps, threshold_init=a.pmask_threshold_init(pmask_steps), lr=s.lr,
+                lr_min=s.lr_min, attention_budget=attention_budget(cfg.model),
+                attention_flops_per_token=attention_flops_per_token(cfg.model, s.seq_len),
+                train_flops_per_token=train_flops_per_token(cfg.model, s.seq_len, non_emb))

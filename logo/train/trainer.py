@@ -1,0 +1,297 @@
+"""The training loop: one process or torchrun data-parallel FSDP2, resumable, with LoGo budget control."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import resource
+import signal
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
+from logo.config import ConfigError
+from logo.model import BudgetController, Transformer
+from logo.parallelize import build_dp_mesh, parallelize
+from logo.train.checkpoint import Checkpointer, load_model_only, resolve_checkpoint
+from logo.train.config import Config
+from logo.train.metrics import MetricsLogger, console_line
+from logo.train.plan import Plan, make_plan
+
+log = logging.getLogger("logo")
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+class _StopRequest:
+    """SIGTERM / SIGUSR1 (SLURM preemption, scancel): finish the step, checkpoint, exit cleanly."""
+
+    def __init__(self):
+        self.signal = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+
+def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
+    use_cuda = torch.cuda.is_available() and cfg.parallel.device != "cpu"
+    if cfg.parallel.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("parallel.device=cuda but no CUDA device is visible")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda") if use_cuda else torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend)
+    return device, rank, world
+
+
+def _build_data(cfg: Config, plan: Plan, rank: int, world: int) -> TokenLoader:
+    if cfg.data.kind == "default":
+        from data.default_corpus import ensure_default_corpus
+        if rank == 0:
+            path = ensure_default_corpus(tokenizer=cfg.data.tokenizer)
+        if world > 1:
+            dist.barrier()
+        path = ensure_default_corpus(tokenizer=cfg.data.tokenizer)
+    else:
+        path = Path(cfg.data.path)
+    ds = ShardDataset(path, "train", tokenizer=cfg.data.tokenizer)
+    if ds.vocab_size and ds.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"invalid config model.vocab_size={cfg.model.vocab_size}: the corpus {path} has a "
+                          f"vocabulary of {ds.vocab_size} tokens")
+    return TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, rank, world, cfg.data.seed,
+                       cfg.data.document_mask)
+
+
+def lr_factor(step: int, plan: Plan) -> float:
+    """Multiplier of the peak LR for optimizer step `step` (0-based): linear warmup over plan.warmup_steps,
+    then cosine decay to plan.lr_min / plan.lr at the last step. Closed form, so a resumed run gets
+    exactly the same learning rates."""
+    warm = plan.warmup_steps
+    if step < warm:
+        return (step + 1) / warm
+    floor = plan.lr_min / plan.lr
+    progress = min(1.0, (step - warm) / max(1, plan.steps - 1 - warm))
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _lr_scheduler(opt, plan: Plan):
+    from functools import partial
+    from torch.optim.lr_scheduler import LambdaLR
+    return LambdaLR(opt, partial(lr_factor, plan=plan))
+
+
+def _rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _rng_states_all_ranks() -> list:
+    """Every rank's RNG states (index = rank); collective when distributed."""
+    st = _rng_state()
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [st]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, st)
+    return out
+
+
+def _set_rng_state(states) -> None:
+    if isinstance(states, list):  # one entry per rank; a run resumed with another world size takes rank 0's
+        r = dist.get_rank() if dist.is_initialized() else 0
+        states = states[r] if r < len(states) else states[0]
+    st = states
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def _threshold_spread(ctrl: BudgetController) -> float:
+    """max over layers of (max - min over ranks) of the threshold: 0 when every rank holds the same values."""
+    th = ctrl.thresholds()
+    hi, lo = th.clone(), th.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    spread = float((hi - lo).max())
+    if spread != 0.0:
+        raise RuntimeError(f"LoGo thresholds differ across data-parallel ranks by {spread}: the budget "
+                           f"controller must apply identical updates on every rank")
+    return spread
+
+
+def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
+    """Run (or resume) the training described by cfg; returns the final metrics."""
+    device, rank, world = _setup_distributed(cfg)
+    plan = make_plan(cfg, world, attention_name)
+    init_from = resolve_checkpoint(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
+    run_dir = Path(plan.run_dir)
+    cfg.model.attention.threshold_init = plan.threshold_init
+    if rank == 0:
+        plan.write(run_dir)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        log.info("plan:\n%s", plan.table())
+
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    model.init_weights()
+    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
+    dp_mesh = build_dp_mesh(device.type)
+    parallelize(model, dp_mesh, torch.bfloat16 if bf16 else torch.float32,
+                cfg.train.activation_checkpointing, cfg.train.compile)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and dp_mesh is None else nullcontext())
+
+    opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                            eps=cfg.train.eps, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
+    sched = _lr_scheduler(opt, plan)
+    loader = _build_data(cfg, plan, rank, world)
+    ctrl = BudgetController(model, process_group=None)  # the default group is the data-parallel group
+
+    ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
+    step, wandb_id = 0, None
+    latest = ckpt.latest() if cfg.checkpoint.resume else None
+    if latest is not None:
+        st = ckpt.load(latest, model, opt)
+        step, wandb_id = st["step"], st.get("wandb_id")
+        sched.load_state_dict(st["lr_scheduler"])
+        loader.load_state_dict(st["data"])
+        _set_rng_state(st["rng"])
+        if rank == 0:
+            log.info("resumed from %s (step %d)", latest, step)
+    elif init_from is not None:
+        load_model_only(init_from, model)
+        if rank == 0:
+            log.info("initialized model and thresholds from %s (fresh optimizer, schedule and data)", init_from)
+
+    metrics_log = MetricsLogger(run_dir, cfg.logging, plan.run_name, resolved, step, wandb_id) if rank == 0 else None
+    stop = _StopRequest()
+    peak = None
+    if device.type == "cuda":
+        from torchtitan.tools.utils import get_peak_flops
+        peak = get_peak_flops(torch.cuda.get_device_name())
+    bar = None
+    if rank == 0 and cfg.logging.progress_bar:
+        from tqdm import tqdm
+        bar = tqdm(total=plan.steps, initial=step, desc="train", unit="step", dynamic_ncols=True, leave=False)
+    last = {}
+    t_last, tokens_since = time.perf_counter(), 0
+    try:
+        while step < plan.steps:
+            micro_batches = loader.next_step()
+            local_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in micro_batches)
+            n_tokens = _all_reduce_sum(torch.tensor([float(local_tokens)], device=device))
+            loss_sum = torch.zeros((), device=device)
+            n_micro = len(micro_batches) * world
+            for i, mb in enumerate(micro_batches):
+                mb = mb.to(device)
+                if dp_mesh is not None:
+                    model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                with autocast:
+                    out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid)
+                ce = F.cross_entropy(out.logits.flatten(0, 1).float(), mb.labels.flatten(), reduction="sum",
+                                     ignore_index=IGNORE_INDEX)
+                (ce / n_tokens[0] + out.aux_loss / n_micro).backward()
+                loss_sum += ce.detach()
+                ctrl.accumulate(out.routing)
+            from torchtitan.distributed.utils import clip_grad_norm_
+            grad_norm = clip_grad_norm_(list(model.parameters()), cfg.train.grad_clip)
+            loss = (_all_reduce_sum(loss_sum.reshape(1)) / n_tokens)[0]
+            if not math.isfinite(float(loss)) or not math.isfinite(float(grad_norm)):
+                prev = ckpt.latest()
+                raise TrainingDiverged(f"loss is {float(loss)} (grad norm {float(grad_norm)}) at step {step + 1}; "
+                                       f"stopped before the optimizer step. Last good checkpoint: "
+                                       f"{prev or 'none'}. Lower stage.lr or check the data, then re-run.")
+            lr = opt.param_groups[0]["lr"]  # the learning rate of this step
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            ctrl.step()
+            step += 1
+            tokens_since += plan.global_batch_tokens
+            if bar is not None:
+                bar.update(1)
+
+            if step % cfg.logging.interval == 0 or step == plan.steps:
+                el = time.perf_counter() - t_last
+                m = {"loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
+                     "tokens_per_s": tokens_since / el, "tokens": step * plan.global_batch_tokens}
+                if peak:
+                    m["mfu"] = plan.train_flops_per_token * m["tokens_per_s"] / (peak * world)
+                if device.type == "cuda":
+                    m["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                else:
+                    m["memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS
+                m.update(ctrl.metrics())
+                if world > 1 and ctrl.layers:
+                    m["logo/threshold_spread"] = _threshold_spread(ctrl)
+                last = m
+                if metrics_log is not None:
+                    metrics_log.log(step, m)
+                    line = console_line(step, plan.steps, m)
+                    (bar.write(line) if bar is not None else print(line, flush=True))
+                    if step % cfg.logging.heatmap_interval == 0:
+                        metrics_log.heatmap(step)
+                t_last, tokens_since = time.perf_counter(), 0
+
+            stop_now = _all_reduce_sum(torch.tensor([1.0 if stop.signal else 0.0], device=device))[0] > 0
+            if step % cfg.checkpoint.interval == 0 or step == plan.steps or stop_now:
+                path = ckpt.save(step, model, opt, {
+                    "step": step, "lr_scheduler": sched.state_dict(), "data": loader.state_dict(),
+                    "rng": _rng_states_all_ranks(), "wandb_id": metrics_log.wandb_id if metrics_log else None,
+                    "plan": plan.to_json()})
+                if rank == 0:
+                    log.info("saved checkpoint %s", path)
+            if stop_now:
+                if rank == 0:
+                    log.warning("received %s: checkpoint saved at step %d; re-run the same command to resume",
+                                stop.signal or "a stop signal on another rank", step)
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics_log is not None:
+            if step:
+                metrics_log.heatmap(step)
+            metrics_log.close()
+    if rank == 0:
+        (run_dir / "final_metrics.json").write_text(json.dumps({"step": step, **last}, indent=1))
+    return {"step": step, **last}
+
+
+def dry_run(cfg: Config, resolved: dict, attention_name: str = "") -> Plan:
+    """Build the model on the meta device, print the plan and write <run_dir>/plan.json. No training."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = make_plan(cfg, world, attention_name)
+    if int(os.environ.get("RANK", "0")) == 0:
+        run_dir = Path(plan.run_dir)
+        plan.write(run_dir)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        print(f"dry run: {plan.run_name}\n{plan.table()}\nwrote {run_dir / 'plan.json'}")
+    return plan

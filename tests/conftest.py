@@ -1,0 +1,45 @@
+"""Shared fixtures for the training and config tests (small, fast settings on the embedded corpus)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A few tiny steps: 4 sequences of 64 tokens per step, 2 micro-batches of 2 (grad accumulation 2).
+TINY_RUN = ["model=tiny", "stage.seq_len=64", "stage.global_batch_tokens=256", "train.micro_batch=2",
+            "logging.interval=1", "logging.progress_bar=false", "logging.heatmap_interval=1000",
+            "attention.window=16", "attention.gamma=0.01"]
+
+
+def train_cmd(*overrides, nproc: int = 1) -> list:
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                str(ROOT / "train.py"), *overrides]
+    return [sys.executable, str(ROOT / "train.py"), *overrides]
+
+
+def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True, env=None, cwd=None):
+    """Run train.py in a subprocess; returns the CompletedProcess (stdout/stderr as text)."""
+    e = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+         "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    p = subprocess.run(train_cmd(*overrides, nproc=nproc), cwd=cwd or ROOT, env=e, capture_output=True, text=True,
+                       timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py {' '.join(overrides)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}"
+                             f"\n--- stderr\n{p.stderr[-4000:]}")
+    return p
+
+
+def read_metrics(run_dir) -> list:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def default_corpus():
+    """Build (or reuse) the embedded default corpus once per session."""
+    from data.default_corpus import ensure_default_corpus
+    return ensure_default_corpus()

@@ -1,0 +1,84 @@
+"""Bad configs and bad checkpoint paths stop with one clear message naming the field (or path)."""
+import pytest
+from hydra import compose, initialize_config_dir
+
+from logo.config import ConfigError
+from logo.train.config import register_configs, to_dataclass
+
+from conftest import ROOT, TINY_RUN, run_train
+
+
+def load(*overrides):
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        return to_dataclass(compose("config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["attention.rho=0"], "attention.rho"),
+    (["attention.rho=1.5"], "attention.rho"),
+    (["attention.rho=-0.1"], "attention.rho"),
+    (["model.n_heads=3"], "model.n_heads"),
+    (["attention.window=0"], "attention.window"),
+    (["attention.kind=sparse"], "attention.kind"),
+    (["attention.transform=mlp"], "attention.transform"),
+    (["attention=inter_layer", "attention.global_fraction=0.3"], "attention.global_fraction"),
+    (["stage.global_batch_tokens=1000"], "stage.global_batch_tokens"),
+    (["stage.lr_min=1.0"], "stage.lr_min"),
+    (["stage.seq_len=0"], "stage.seq_len"),
+    (["checkpoint.interval=0"], "checkpoint.interval"),
+    (["train.dtype=fp8"], "train.dtype"),
+    (["data=shards", "data.path="], "data.path"),
+    (["model.attention.rho=0.3"], "model.attention"),
+])
+def test_bad_value_names_the_field(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        load(*overrides)
+    assert field in str(e.value)
+    value = overrides[-1].split("=", 1)[1]
+    if value and field != "model.attention":
+        assert value in str(e.value)  # and the offending value
+
+
+def test_rho_one_is_allowed():
+    assert load("attention.rho=1.0").model.attention.rho == 1.0
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["attention.rho=1.5"], "attention.rho=1.5"),
+    (["model.n_heads=3"], "model.n_heads=3"),
+    (["attention.window=0"], "attention.window=0"),
+    (["attention.kind=sparse"], "attention.kind='sparse'"),
+    (["attention=nonexistent"], "attention/nonexistent"),
+    (["stage.seq_len=abc"], "stage.seq_len"),
+])
+def test_cli_prints_one_clear_error(overrides, needle, tmp_path):
+    p = run_train(*overrides, "dry_run=true", f"run.dir={tmp_path}", check=False)
+    assert p.returncode != 0
+    assert needle in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_missing_init_checkpoint_is_named(tmp_path):
+    missing = tmp_path / "no_such_run"
+    p = run_train(*TINY_RUN, "train.steps=2", f"run.dir={tmp_path / 'run'}", f"checkpoint.init_from={missing}",
+                  check=False)
+    assert p.returncode != 0 and str(missing) in p.stderr and "does not exist" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_corrupt_checkpoint_is_named(tmp_path):
+    bad = tmp_path / "bad_ckpt"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(b"not a checkpoint")
+    (bad / "train_state.pt").write_bytes(b"garbage")
+    p = run_train(*TINY_RUN, "train.steps=2", f"run.dir={tmp_path / 'run'}", f"checkpoint.init_from={bad}",
+                  check=False)
+    assert p.returncode != 0 and str(bad) in p.stderr
+    assert "Traceback" not in p.stderr
+    # a directory that is not a checkpoint at all
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = run_train(*TINY_RUN, "train.steps=2", f"run.dir={tmp_path / 'run2'}", f"checkpoint.init_from={empty}",
+                  check=False)
+    assert p.returncode != 0 and str(empty) in p.stderr and "not a complete checkpoint" in p.stderr
