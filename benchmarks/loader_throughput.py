@@ -1,7 +1,8 @@
 """Loader throughput (reading + batching, one process): tokens/s of TokenLoader.next_step().
 
-    python benchmarks/loader_throughput.py [--seq 8192] [--global-batch 64] [--micro 8] [--seconds 5]
-Uses the embedded default corpus (built on first use).
+    taskset -c 0 python benchmarks/loader_throughput.py [--seq 8192] [--global-batch 32] [--micro 4] [--seconds 5]
+                                                        [--path DIR] [--no-doc-mask]
+Reads the embedded default corpus (built on first use) unless --path names a prepared corpus.
 """
 import argparse
 import time
@@ -17,8 +18,9 @@ def main():
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--no-doc-mask", action="store_true")
+    ap.add_argument("--path", help="a corpus prepared with python -m data.prepare (default: the embedded one)")
     args = ap.parse_args()
-    ds = ShardDataset(ensure_default_corpus())
+    ds = ShardDataset(args.path or ensure_default_corpus())
     loader = TokenLoader(ds, args.seq, args.global_batch, args.micro, seed=0, document_mask=not args.no_doc_mask)
     rates = []
     for _ in range(5):
