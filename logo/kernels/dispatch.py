@@ -49,5 +49,8 @@ def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale: Optional[f
 
 def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto"):
     """Dense causal attention inside each packed sequence: every row is a query (N, H, D)."""
+    ops = _ops(q, backend)
+    if ops is not reference:  # Triton: every row a query, dense-query kernels, no host sync
+        return ops.causal_attention(q, k, v, cu_seqlens, scale)
     pos = reference.positions_in_sequence(cu_seqlens, q.shape[0])
-    return query_sparse_attention(q, k, v, pos, cu_seqlens, cu_seqlens, scale, backend=backend)
+    return reference.query_sparse_attention(q, k, v, pos, cu_seqlens, cu_seqlens, scale)
