@@ -3,12 +3,12 @@
 The model module knows nothing of what happens here. Order (as in torchtitan): torch.compile of the dense
 block parts, activation checkpointing (torchtitan's `apply_ac`), then FSDP2 data parallelism: `fully_shard`
 on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
-`MixedPrecisionPolicy`. FSDP's own gradient division is switched off: the trainer divides the loss by the
-global number of target tokens, so a step's gradient is the same token mean over the global batch for any
-number of ranks (and equal to a single-process run of the same batch).
+`MixedPrecisionPolicy`. FSDP averages gradients over the data-parallel ranks (its default: a custom divide
+factor needs ReduceOp.PREMUL_SUM, which gloo lacks); the trainer scales each rank's loss by the number of
+ranks and divides it by the global number of target tokens, so a step's gradient is the token mean over the
+global batch for any number of ranks (and equal to a single-process run of the same batch).
 
-Only APIs present in torch 2.11 .. 2.13 are used (`torch.distributed.fsdp.fully_shard`,
-`FSDPModule.set_gradient_divide_factor`, `init_device_mesh`).
+Only APIs present in torch 2.11 .. 2.13 are used (`torch.distributed.fsdp.fully_shard`, `init_device_mesh`).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def build_dp_mesh(device_type: str) -> Optional[DeviceMesh]:
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2: one unit per transformer block, one for the embedding, one for norm+head, and the root."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     fully_shard(model.tok_embeddings, **kw)
     for block in model.layers.values():
@@ -45,9 +45,6 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
     # The head is used right after the last block; keeping it unsharded after forward saves one all-gather.
     fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
     fully_shard(model, **kw)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
 
 
 def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dtype: torch.dtype,

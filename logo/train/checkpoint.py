@@ -7,15 +7,18 @@ train_state.pt is on disk; `latest()` only ever returns renamed directories. The
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
@@ -116,10 +119,32 @@ def resolve_checkpoint(path) -> Path:
     return path
 
 
+@contextmanager
+def _quiet_dcp():
+    """DCP logs full tracebacks (as warnings) before it raises; the CheckpointError we raise says it in one line."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.CRITICAL + 1)  # DCP's loaders log through the root logger
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 def _dcp_load(state: dict, path: Path) -> None:
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything
+        raise CheckpointError(f"checkpoint {path} is corrupted: its .metadata cannot be read "
+                              f"({type(e).__name__}: {_first_line(e)})") from None
+    try:
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # noqa: BLE001 - DCP raises many types; name the checkpoint and the cause
-        msg = str(e).strip().splitlines()
-        raise CheckpointError(f"could not load checkpoint {path}: {type(e).__name__}: "
-                              f"{msg[0] if msg else ''} (was it written by a different model config?)") from None
+        raise CheckpointError(f"could not load checkpoint {path}: {type(e).__name__}: {_first_line(e)} "
+                              f"(was it written by a different model config?)") from None
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else ""

@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import re
+import secrets
+import string
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +22,13 @@ def wandb_logged_in() -> bool:
         return True
     netrc = Path.home() / ".netrc"
     return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def new_wandb_id() -> str:
+    """A fresh W&B run id (8 characters of [a-z0-9], W&B's own format; not every wandb release exports its
+    generator). Stored with the checkpoint, so a resumed run continues the same W&B run."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def console_line(step: int, steps: int, m: dict) -> str:
@@ -48,7 +57,7 @@ class MetricsLogger:
         if cfg.wandb:
             import wandb
             mode = cfg.wandb_mode if cfg.wandb_mode != "auto" else ("online" if wandb_logged_in() else "offline")
-            self.wandb_id = wandb_id or wandb.util.generate_id()
+            self.wandb_id = wandb_id or new_wandb_id()
             self.wandb_run = wandb.init(project=cfg.wandb_project, name=run_name, id=self.wandb_id, resume="allow",
                                         dir=str(self.run_dir), mode=mode, config=config)
         self.tb = None
@@ -70,27 +79,29 @@ class MetricsLogger:
         if ratios:
             self.ratio_history.append((step, ratios))
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, heatmap: bool = False) -> None:
+        """Append one record; with `heatmap`, also redraw the ratio heatmap and send it with the same step."""
         rec = {"step": step, **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         self._remember_ratios(step, metrics)
+        extra = {}
+        if heatmap and self.heatmap(step) is not None and self.wandb_run is not None:
+            import wandb
+            extra["logo/ratio_heatmap"] = wandb.Image(str(self.run_dir / "ratio_heatmap.png"))
         if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
+            self.wandb_run.log({**metrics, **extra}, step=step)  # one call per step: W&B drops repeated steps
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
 
     def heatmap(self, step: int) -> Optional[Path]:
-        """Write (and send to W&B/TensorBoard) the layers x steps ratio heatmap so far."""
+        """Write <run_dir>/ratio_heatmap.png (layers x steps so far) and add it to TensorBoard."""
         if not self.ratio_history:
             return None
         path = self.run_dir / "ratio_heatmap.png"
         fig = ratio_heatmap_figure(self.ratio_history)
         fig.savefig(path, dpi=110)
-        if self.wandb_run is not None:
-            import wandb
-            self.wandb_run.log({"logo/ratio_heatmap": wandb.Image(str(path))}, step=step)
         if self.tb is not None:
             self.tb.add_figure("logo/ratio_heatmap", fig, step)
         import matplotlib.pyplot as plt

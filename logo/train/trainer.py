@@ -209,6 +209,7 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
             n_tokens = _all_reduce_sum(torch.tensor([float(local_tokens)], device=device))
             loss_sum = torch.zeros((), device=device)
             n_micro = len(micro_batches) * world
+            dp = world if dp_mesh is not None else 1
             for i, mb in enumerate(micro_batches):
                 mb = mb.to(device)
                 if dp_mesh is not None:
@@ -217,7 +218,9 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
                     out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid)
                 ce = F.cross_entropy(out.logits.flatten(0, 1).float(), mb.labels.flatten(), reduction="sum",
                                      ignore_index=IGNORE_INDEX)
-                (ce / n_tokens[0] + out.aux_loss / n_micro).backward()
+                # FSDP averages gradients over ranks, so each rank's share is scaled by `dp`: the step's gradient
+                # is the token mean over the global batch (and the aux loss the mean over all micro-batches).
+                (dp * (ce / n_tokens[0] + out.aux_loss / n_micro)).backward()
                 loss_sum += ce.detach()
                 ctrl.accumulate(out.routing)
             from torchtitan.distributed.utils import clip_grad_norm_
@@ -225,9 +228,10 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
             loss = (_all_reduce_sum(loss_sum.reshape(1)) / n_tokens)[0]
             if not math.isfinite(float(loss)) or not math.isfinite(float(grad_norm)):
                 prev = ckpt.latest()
-                raise TrainingDiverged(f"loss is {float(loss)} (grad norm {float(grad_norm)}) at step {step + 1}; "
-                                       f"stopped before the optimizer step. Last good checkpoint: "
-                                       f"{prev or 'none'}. Lower stage.lr or check the data, then re-run.")
+                raise TrainingDiverged(f"training diverged at step {step + 1}: loss {float(loss):.6g}, grad norm "
+                                       f"{float(grad_norm):.6g} (not finite); stopped before the optimizer step. "
+                                       f"Last good checkpoint: {prev or 'none'}. Lower stage.lr or check the data, "
+                                       f"then re-run.")
             lr = opt.param_groups[0]["lr"]  # the learning rate of this step
             opt.step()
             sched.step()
@@ -253,11 +257,9 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
                     m["logo/threshold_spread"] = _threshold_spread(ctrl)
                 last = m
                 if metrics_log is not None:
-                    metrics_log.log(step, m)
+                    metrics_log.log(step, m, heatmap=step % cfg.logging.heatmap_interval == 0)
                     line = console_line(step, plan.steps, m)
                     (bar.write(line) if bar is not None else print(line, flush=True))
-                    if step % cfg.logging.heatmap_interval == 0:
-                        metrics_log.heatmap(step)
                 t_last, tokens_since = time.perf_counter(), 0
 
             stop_now = _all_reduce_sum(torch.tensor([1.0 if stop.signal else 0.0], device=device))[0] > 0
