@@ -41,11 +41,23 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, H, D) by position-dependent angles (T, D/2)."""
-    xf = upcast(x).unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Optional[int] = None) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by position-dependent angles (T, D/2): x (B, T, H, D), or x (B*T, H, D)
+    flattened rows when `batch` = B is given."""
+    if batch is not None:
+        return apply_rope(x.unflatten(0, (batch, -1)), cos, sin).flatten(0, 1)
+    return _rotate(x, cos[None, :, None, :], sin[None, :, None, :])
+
+
+def apply_rope_rows(x: torch.Tensor, cos_rows: torch.Tensor, sin_rows: torch.Tensor) -> torch.Tensor:
+    """RoPE for gathered rows: x (n, H, D), each row's own angles cos_rows/sin_rows (n, D/2)."""
+    return _rotate(x, cos_rows[:, None, :], sin_rows[:, None, :])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = upcast(x).unflatten(-1, (-1, 2))  # (..., D/2, 2)
     x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :].to(xf.dtype), sin[None, :, None, :].to(xf.dtype)
+    c, s = cos.to(xf.dtype), sin.to(xf.dtype)
     out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
     return out.flatten(-2).to(x.dtype)
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from logo.config import ModelConfig
 from logo.kernels import dispatch
 from logo.model.attention import QKVAttention
-from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, upcast
+from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, apply_rope_rows, upcast
 from logo.model.routing import compact, route, routing_stats, soft_ratio
 
 
@@ -43,9 +43,9 @@ class BranchTransform(nn.Module):
             self.offset = nn.Parameter(torch.empty(3, n_heads, head_dim))
 
     def forward(self, i: int, u: torch.Tensor) -> torch.Tensor:
-        """u (B, T, H, D) -> (B, T, H, D) for branch tensor i (0=q, 1=k, 2=v)."""
+        """u (..., H, D) -> (..., H, D) for branch tensor i (0=q, 1=k, 2=v)."""
         if self.kind == "lp":
-            return torch.einsum("bthd,hde->bthe", u, self.A[i].to(u.dtype))
+            return torch.einsum("...hd,hde->...he", u, self.A[i].to(u.dtype))
         if self.kind == "so":
             return u * self.scale[i].to(u.dtype) + self.offset[i].to(u.dtype)
         return u
@@ -94,12 +94,13 @@ class LoGoAttention(QKVAttention):
                 norm.reset_parameters()
         self.threshold.fill_(0.5 if a.threshold_init is None else a.threshold_init)
 
-    def global_branch_qkv(self, x, q, k, v):
-        """Pre-RoPE global q, k, v (B, T, H, D)."""
+    def global_branch_qkv(self, x_sel, q_sel, x, k, v):
+        """Pre-RoPE global q for the selected rows (Nq, H, D) and global k, v for every row (N, H, D), from the
+        rows' inputs x (d) or their local-branch q/k/v: only the selected rows' queries are transformed."""
         if self.attn_cfg.transform == "full":
-            shape = q.shape
-            return self.wq_g(x).view(shape), self.wk_g(x).view(shape), self.wv_g(x).view(shape)
-        return self.transform(0, q), self.transform(1, k), self.transform(2, v)
+            H, D = self.n_heads, self.head_dim
+            return (self.wq_g(x_sel).view(-1, H, D), self.wk_g(x).view(-1, H, D), self.wv_g(x).view(-1, H, D))
+        return self.transform(0, q_sel), self.transform(1, k), self.transform(2, v)
 
     def gate_probs(self, x: torch.Tensor) -> torch.Tensor:
         """p_t = sigmoid(x_t . w_g): x (B, T, d) -> (N,) in at least fp32."""
@@ -108,25 +109,29 @@ class LoGoAttention(QKVAttention):
 
     def mix(self, x, cos, sin, seqs: PackedSeqs):
         """Both branches and the fusion: x (B, T, d) -> o (N, H, D) before W_o, p (N,), z (N,) bool."""
-        a = self.attn_cfg
-        q, k, v = self.project(x)  # (B, T, H, D)
-        qg, kg, vg = self.global_branch_qkv(x, q, k, v)
+        return self.branches(x, *self.project(x), cos, sin, seqs)
 
+    def branches(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
+        """Everything between the shared projections and W_o: x (B, T, d), pre-RoPE q, k, v (B, T, H, D)
+        -> o (N, H, D), p (N,), z (N,) bool."""
+        a = self.attn_cfg
         p = self.gate_probs(x)  # (N,)
         z = route(p, self.threshold, seqs)  # (N,) bool
         sel = compact(z, seqs)
+        x, q, k, v = x.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, ...)
+        qg, kg, vg = self.global_branch_qkv(x[sel.index], q[sel.index], x, k, v)
 
         # Local branch: every token.
-        q, k = apply_rope(q, cos, sin).flatten(0, 1), apply_rope(k, cos, sin).flatten(0, 1)  # (N, H, D)
-        o_local = dispatch.sliding_window_attention(q, k, v.flatten(0, 1), seqs.cu_seqlens, self.window,
-                                                    backend=a.backend)
+        q, k = apply_rope(q, cos, sin, seqs.batch), apply_rope(k, cos, sin, seqs.batch)  # (N, H, D)
+        o_local = dispatch.sliding_window_attention(q, k, v, seqs.cu_seqlens, self.window, backend=a.backend)
         o_local = self.norm_local(o_local)  # (N, H, D)
 
-        # Global branch: selected query rows only; keys/values stay dense.
-        qg = apply_rope(qg, cos, sin).flatten(0, 1)[sel.index]  # (Nq, H, D)
-        kg = apply_rope(kg, cos, sin).flatten(0, 1)
-        o_global = dispatch.query_sparse_attention(qg, kg, vg.flatten(0, 1), sel.q_pos, sel.cu_seqlens_q,
-                                                   seqs.cu_seqlens, backend=a.backend)
+        # Global branch: selected query rows only (rotated at their own positions); keys/values stay dense.
+        row_pos = sel.index % seqs.seqlen  # (Nq,) RoPE position: the token's place in its row
+        qg = apply_rope_rows(qg, cos[row_pos], sin[row_pos])  # (Nq, H, D)
+        kg = apply_rope(kg, cos, sin, seqs.batch)
+        o_global = dispatch.query_sparse_attention(qg, kg, vg, sel.q_pos, sel.cu_seqlens_q, seqs.cu_seqlens,
+                                                   backend=a.backend)
         o_global = self.norm_global(o_global)  # (Nq, H, D)
 
         p_sel = p[sel.index][:, None, None]  # (Nq, 1, 1): the gate's only path into the output

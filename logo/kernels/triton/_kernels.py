@@ -1,0 +1,306 @@
+"""Triton kernels of the "range attention" family (the host side and the design notes are in `_attn.py`).
+
+A query row r (packed, of NQ) sees the packed keys first[r] .. last[r]: last = its own key row (cu_k[seq] +
+q_pos, or r itself when every row is a query, DENSE_Q), first = its sequence's first key, or last - window + 1
+when WINDOWED. Rows look their sequence up with a binary search over cu_seqlens inside the kernel, so no
+per-call block maps are built on the host.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation. PREC "up" (the CPU interpreter with 16-bit inputs, whose tl.dot mishandles
+    bf16) multiplies the upcast operands instead: the same products, exact in fp32."""
+    if PREC == "up":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _seq_of(rows, CU, NSEQ, STEPS):
+    """Per row, the last sequence b with CU[b] <= row (so empty sequences are skipped). STEPS = ceil(log2 NSEQ)."""
+    lo = tl.zeros_like(rows)
+    hi = lo + NSEQ
+    for _ in range(STEPS):
+        mid = (lo + hi) // 2
+        go = tl.load(CU + mid) <= rows
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo
+
+
+@triton.jit
+def _row_spans(rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr):
+    """(first, last) packed key rows each query row sees (inclusive)."""
+    seq = _seq_of(rows, CU_Q, NSEQ, STEPS)
+    first = tl.load(CU_K + seq)
+    if DENSE_Q:
+        last = rows
+    else:
+        last = first + tl.load(QPOS + rows)
+    if WINDOWED:
+        first = tl.maximum(first, last - window + 1)
+    return first, last
+
+
+@triton.jit
+def _key_regions(first, last, BN: tl.constexpr):
+    """Key blocks of a query block: masked [lo, m_end), unmasked [u0, u1) (every row sees every key), masked
+    [u1, hi). Keys after the largest `last` are never visited."""
+    lo = (tl.min(first, 0) // BN) * BN
+    hi = tl.max(last, 0) + 1
+    u0 = tl.maximum(((tl.max(first, 0) + BN - 1) // BN) * BN, lo)
+    u1 = tl.maximum(((tl.min(last, 0) + 1) // BN) * BN, u0)
+    return lo, tl.minimum(u0, hi), u0, u1, hi
+
+
+# ----------------------------------------------------------------------------------------------------------
+# forward: one program per (query block, head)
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, start, end, hi, qk_scale,
+               MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    offs_nb = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    kb = k_head + start.to(tl.int64) * sk_n  # block pointers advance in int64 (no 32-bit overflow)
+    vb = v_head + start.to(tl.int64) * sv_n
+    for n0 in range(start, end, BN):
+        if MASK:
+            kin = n0 + offs_nb < hi
+            kt = tl.load(kb + offs_nb[None, :] * sk_n + offs_d[:, None], mask=kin[None, :], other=0.0)
+            v = tl.load(vb + offs_nb[:, None] * sv_n + offs_d[None, :], mask=kin[:, None], other=0.0)
+        else:
+            kt = tl.load(kb + offs_nb[None, :] * sk_n + offs_d[:, None])
+            v = tl.load(vb + offs_nb[:, None] * sv_n + offs_d[None, :])
+        s = _dot(q, kt, PREC)  # raw scores; the scale is folded into the max and the exp2 argument (one FMA)
+        if MASK:
+            key = n0 + offs_nb
+            vis = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+        m_i = m_new
+        kb += BN * sk_n
+        vb += BN * sv_n
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window"])
+def _fwd_kernel(Q, K, V, O, LSE, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
+                sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, qk_scale,
+                WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                D: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # later rows see more keys: schedule them first
+    h = tl.program_id(1)
+    rows = pid * BM + tl.arange(0, BM)
+    row_ok = rows < NQ
+    rr = tl.minimum(rows, NQ - 1)
+    first, last = _row_spans(rr, QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED, DENSE_Q)
+    lo, m_end, u0, u1, hi = _key_regions(first, last, BN)
+    offs_d = tl.arange(0, D)
+    rows64 = rows.to(tl.int64)
+    q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_head = K + h * sk_h
+    v_head = V + h * sv_h
+    m_i = tl.full([BM], -1.0e30, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, lo, m_end, hi,
+                               qk_scale, True, BN, D, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, u0, u1, hi,
+                               qk_scale, False, BN, D, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, u1, hi, hi,
+                               qk_scale, True, BN, D, PREC)
+    o = acc / l_i[:, None]
+    tl.store(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + h * NQ + rows, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backward: delta = rowsum(dO * O)
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["NQ"])
+def _delta_kernel(O, DO, DELTA, NQ, so_n, so_h, sdo_n, sdo_h, BM: tl.constexpr, D: tl.constexpr):
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    ok = rows < NQ
+    rows64 = rows.to(tl.int64)
+    offs_d = tl.arange(0, D)
+    o = tl.load(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(DELTA + h * NQ + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backward: dQ, one program per (query block, head); mirrors the forward traversal
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, start, end, hi, qk_scale,
+              MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    offs_nb = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    kb = k_head + start.to(tl.int64) * sk_n  # block pointers advance in int64 (no 32-bit overflow)
+    vb = v_head + start.to(tl.int64) * sv_n
+    for n0 in range(start, end, BN):
+        if MASK:
+            kin = n0 + offs_nb < hi
+            k = tl.load(kb + offs_nb[:, None] * sk_n + offs_d[None, :], mask=kin[:, None], other=0.0)
+            vt = tl.load(vb + offs_nb[None, :] * sv_n + offs_d[:, None], mask=kin[None, :], other=0.0)
+        else:
+            k = tl.load(kb + offs_nb[:, None] * sk_n + offs_d[None, :])
+            vt = tl.load(vb + offs_nb[None, :] * sv_n + offs_d[:, None])
+        s = _dot(q, tl.trans(k), PREC) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if MASK:
+            key = n0 + offs_nb
+            vis = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])
+            p = tl.where(vis, p, 0.0)
+        dp = _dot(do, vt, PREC)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, PREC)
+        kb += BN * sk_n
+        vb += BN * sv_n
+    return dq
+
+
+@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window"])
+def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
+               sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdq_n, sdq_h, qk_scale, scale,
+               WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               D: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid * BM + tl.arange(0, BM)
+    row_ok = rows < NQ
+    rr = tl.minimum(rows, NQ - 1)
+    first, last = _row_spans(rr, QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED, DENSE_Q)
+    lo, m_end, u0, u1, hi = _key_regions(first, last, BN)
+    offs_d = tl.arange(0, D)
+    rows64 = rows.to(tl.int64)
+    q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + h * NQ + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + h * NQ + rows, mask=row_ok, other=0.0)
+    k_head = K + h * sk_h
+    v_head = V + h * sv_h
+    dq = tl.zeros([BM, D], tl.float32)
+    dq = _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, lo, m_end, hi, qk_scale,
+                   True, BN, D, PREC)
+    dq = _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, u0, u1, hi, qk_scale,
+                   False, BN, D, PREC)
+    dq = _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, u1, hi, hi, qk_scale,
+                   True, BN, D, PREC)
+    tl.store(DQ + rows64[:, None] * sdq_n + h * sdq_h + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backward: dK, dV, one program per (KV block, head); optionally dQ by atomic adds into an fp32 buffer
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, h, NQ, sq_n, sq_h, sdo_n, sdo_h,
+                sdqa_n, sdqa_h, start, end, qk_scale, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
+                MASK: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                PREC: tl.constexpr):
+    offs_mb = tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    for m0 in range(start, end, BM):
+        rows = m0 + offs_mb
+        rows64 = rows.to(tl.int64)
+        if MASK:
+            rin = rows < NQ
+            qt = tl.load(Q + rows64[None, :] * sq_n + h * sq_h + offs_d[:, None], mask=rin[None, :], other=0.0)
+            do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=rin[:, None], other=0.0)
+            lse = tl.load(LSE + h * NQ + rows, mask=rin, other=0.0)
+            delta = tl.load(DELTA + h * NQ + rows, mask=rin, other=0.0)
+        else:
+            qt = tl.load(Q + rows64[None, :] * sq_n + h * sq_h + offs_d[:, None])
+            do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :])
+            lse = tl.load(LSE + h * NQ + rows)
+            delta = tl.load(DELTA + h * NQ + rows)
+        st = _dot(k, qt, PREC) * qk_scale  # (BN, BM)
+        pt = tl.math.exp2(st - lse[None, :])
+        if MASK:
+            # key j is seen by row r iff r's key row is at or after j, within the window, in j's sequence
+            if DENSE_Q:
+                kr = rows
+                same = rows[None, :] < kend[:, None]
+            else:
+                kr = tl.load(KIDX + rows, mask=rin, other=-1)
+                same = rows[None, :] < qend[:, None]
+            vis = (kr[None, :] >= keys[:, None]) & same & rin[None, :]
+            if WINDOWED:
+                vis = vis & (kr[None, :] - keys[:, None] < window)
+            pt = tl.where(vis, pt, 0.0)
+        dv += _dot(pt.to(do.dtype), do, PREC)
+        dpt = _dot(v, tl.trans(do), PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk += _dot(dst.to(qt.dtype), tl.trans(qt), PREC)
+        if ATOMIC_DQ:
+            dqp = _dot(tl.trans(dst).to(k.dtype), k, PREC)  # (BM, D), unscaled
+            if MASK:
+                tl.atomic_add(DQACC + rows64[:, None] * sdqa_n + h * sdqa_h + offs_d[None, :], dqp, mask=rin[:, None],
+                              sem="relaxed")
+            else:
+                tl.atomic_add(DQACC + rows64[:, None] * sdqa_n + h * sdqa_h + offs_d[None, :], dqp, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["NQ", "NK", "NBK", "NSEQ", "STEPS", "window"])
+def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, CU_Q, CU_K, NQ, NK, NBK, NSEQ, STEPS,
+                 window, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdk_n, sdk_h, sdv_n, sdv_h, sdqa_n, sdqa_h,
+                 qk_scale, scale,
+                 WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)  # early key blocks are seen by the most rows: scheduled first
+    h = tl.program_id(1)
+    keys = pid * BN + tl.arange(0, BN)
+    kin = keys < NK
+    kc = tl.minimum(keys, NK - 1)
+    kseq = _seq_of(kc, CU_K, NSEQ, STEPS)
+    kend = tl.load(CU_K + kseq + 1)  # end of each key's sequence (keys)
+    qend = tl.load(CU_Q + kseq + 1)  # end of each key's sequence (query rows)
+    one_seq = tl.min(kseq, 0) == tl.max(kseq, 0)
+    klast = tl.max(kc, 0)
+    if DENSE_Q:  # query row index == key row index
+        reach = kend
+        if WINDOWED:
+            reach = tl.minimum(kend, kc + window)
+        qa = pid * BN
+        qz = tl.max(reach, 0)
+        full_lo = klast
+        full_hi = tl.min(reach, 0)
+    else:  # compacted rows: the first rows at or after the block's first / last key come from the host
+        qa = tl.load(SPLIT + pid)
+        full_lo = tl.load(SPLIT + NBK + pid)
+        qz = tl.max(qend, 0)
+        full_hi = tl.min(qend, 0)
+    full_hi = tl.where(one_seq, full_hi, full_lo)  # a block spanning two sequences has no fully visible row
+    u0 = tl.minimum(qa + ((tl.maximum(full_lo - qa, 0) + BM - 1) // BM) * BM, qz)
+    u1 = u0 + (tl.maximum(full_hi - u0, 0) // BM) * BM
+
+    offs_d = tl.arange(0, D)
+    keys64 = keys.to(tl.int64)
+    k = tl.load(K + keys64[:, None] * sk_n + h * sk_h + offs_d[None, :], mask=kin[:, None], other=0.0)
+    v = tl.load(V + keys64[:, None] * sv_n + h * sv_h + offs_d[None, :], mask=kin[:, None], other=0.0)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, h, NQ, sq_n, sq_h, sdo_n,
+                         sdo_h, sdqa_n, sdqa_h, qa, u0, qk_scale, window, WINDOWED, DENSE_Q, True, ATOMIC_DQ, BM, D, PREC)
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, h, NQ, sq_n, sq_h, sdo_n,
+                         sdo_h, sdqa_n, sdqa_h, u0, u1, qk_scale, window, WINDOWED, DENSE_Q, False, ATOMIC_DQ, BM, D, PREC)
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, h, NQ, sq_n, sq_h, sdo_n,
+                         sdo_h, sdqa_n, sdqa_h, u1, qz, qk_scale, window, WINDOWED, DENSE_Q, True, ATOMIC_DQ, BM, D, PREC)
+    tl.store(DK + keys64[:, None] * sdk_n + h * sdk_h + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=kin[:, None])
+    tl.store(DV + keys64[:, None] * sdv_n + h * sdv_h + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kin[:, None])

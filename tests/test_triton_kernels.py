@@ -1,0 +1,293 @@
+"""Triton attention kernels against the pure-PyTorch reference (in float64).
+
+On a machine without a GPU these run under the Triton CPU interpreter (TRITON_INTERPRET=1, set in conftest.py)
+at small shapes; on a CUDA machine the same tests run compiled, plus full-size cases (`gpu` marker).
+
+Tolerances (||out - ref|| <= rtol * ||ref|| + atol * sqrt(numel), reference in float64):
+- float32 inputs: rtol 2e-5 (ieee fp32 dots; only the summation order differs from the reference).
+- bfloat16 / float16 inputs: rtol 2e-2. Inputs are rounded to 16 bits for both sides; the kernel also
+  rounds the probabilities P and dS to 16 bits before the P@V, dS@K, dS^T@Q products (as FlashAttention
+  does), which gives relative errors of about 4e-3 on outputs and 6e-3 to 1e-2 on gradients.
+Every output buffer is poisoned with NaN before each run, so an unwritten row fails the comparison.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from logo.kernels import reference as ref
+from logo.kernels.triton import _attn
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+HEAD_DIMS = (64, 128) if CUDA else (16, 32)
+RTOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+LENGTHS = {  # packed sequences (documents) per call; none is a multiple of the block sizes
+    "one_seq": [53],
+    "docs": [37, 5, 50],
+    "with_len1": [1, 64, 33, 2],
+}
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Kernel outputs start as NaN: a row the kernels never write shows up as a mismatch."""
+    def nan_empty(*shape, like, dtype=None):
+        return torch.full(shape, float("nan"), device=like.device, dtype=dtype or like.dtype)
+    monkeypatch.setattr(_attn, "_empty", nan_empty)
+
+
+def close(out, want, dtype, what):
+    out, want = out.double(), want.double()
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten rows?)"
+    err = (out - want).norm().item()
+    bound = RTOL[dtype] * want.norm().item() + ATOL[dtype] * math.sqrt(want.numel())
+    assert err <= bound, f"{what}: ||diff|| {err:.3e} > {bound:.3e} (||ref|| {want.norm().item():.3e})"
+
+
+def packed(lengths, H, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    qkv = [torch.randn(n, H, D, generator=g).to(device=DEVICE, dtype=dtype) for _ in range(3)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return qkv, cu
+
+
+def select(lengths, mode, seed):
+    """Selected rows of the packed batch (ascending), their positions and cu_seqlens_q."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]])
+    if mode == "none":
+        mask = torch.zeros(n, dtype=torch.bool)
+    elif mode == "one":
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[n - 2] = True
+    elif mode == "all":
+        mask = torch.ones(n, dtype=torch.bool)
+    elif mode == "random":
+        mask = torch.rand(n, generator=g) < 0.4
+    elif mode == "skip_a_seq":  # every row of sequence 1 unselected, the others dense
+        mask = seq != 1
+    else:
+        raise ValueError(mode)
+    idx = torch.nonzero(mask).squeeze(1)
+    q_pos = (idx - starts[seq[idx]]).to(torch.int32)
+    cu_q = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_q[1:] = torch.bincount(seq[idx], minlength=len(lengths)).cumsum(0)
+    return idx.to(DEVICE), q_pos.to(DEVICE), cu_q.to(DEVICE)
+
+
+def run_both(kernel_fn, ref_fn, inputs, dtype, seed):
+    """Forward + backward of the kernel (in `dtype`) and of the reference (float64 copies of the same inputs)."""
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = kernel_fn(*xs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7)).to(DEVICE, dtype)
+    grads = torch.autograd.grad(out, xs, g) if out.numel() else [torch.zeros_like(x) for x in xs]
+    xr = [x.detach().double().requires_grad_() for x in inputs]
+    want = ref_fn(*xr)
+    wgrads = torch.autograd.grad(want, xr, g.double()) if want.numel() else [torch.zeros_like(x) for x in xr]
+    return out, grads, want, wgrads
+
+
+def check_all(out, grads, want, wgrads, dtype, name):
+    close(out, want, dtype, f"{name} output")
+    for label, a, b in zip(("dq", "dk", "dv"), grads, wgrads):
+        close(a, b, dtype, f"{name} {label}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["none", "one", "all", "random", "skip_a_seq"])
+@pytest.mark.parametrize("layout", list(LENGTHS))
+def test_query_sparse_matches_reference(layout, mode, dtype):
+    lengths = LENGTHS[layout]
+    D = HEAD_DIMS[len(lengths) % 2]
+    (q, k, v), cu = packed(lengths, 2, D, dtype, seed=len(lengths))
+    idx, q_pos, cu_q = select(lengths, mode, seed=3)
+    qs = q[idx]
+
+    def kern(a, b, c):
+        return _attn.query_sparse_attention(a, b, c, q_pos, cu_q, cu)
+
+    def refn(a, b, c):
+        return ref.query_sparse_attention(a, b, c, q_pos, cu_q, cu)
+
+    out, grads, want, wgrads = run_both(kern, refn, [qs, k, v], dtype, seed=11)
+    assert out.shape == (idx.numel(), 2, D) and out.dtype == dtype
+    check_all(out, grads, want, wgrads, dtype, f"query_sparse[{mode}]")
+    if mode == "none":  # no selected row: no gradient reaches keys or values
+        assert grads[1].abs().max() == 0 and grads[2].abs().max() == 0
+
+
+WINDOW_CASES = [(w, dt) for w in (1, 7, 16, 100) for dt in (torch.float32, torch.bfloat16)] + [(16, torch.float16)]
+
+
+@pytest.mark.parametrize("window,dtype", WINDOW_CASES)  # 100: larger than every sequence here
+@pytest.mark.parametrize("layout", ["one_seq", "docs", "with_len1"])
+def test_sliding_window_matches_reference(layout, window, dtype):
+    lengths = LENGTHS[layout]
+    D = HEAD_DIMS[window % 2]
+    (q, k, v), cu = packed(lengths, 2, D, dtype, seed=window)
+    out, grads, want, wgrads = run_both(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, window),
+                                        lambda a, b, c: ref.sliding_window_attention(a, b, c, cu, window),
+                                        [q, k, v], dtype, seed=5)
+    check_all(out, grads, want, wgrads, dtype, f"sliding_window[w={window}]")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["one_seq", "docs"])
+def test_causal_matches_reference(layout, dtype):
+    lengths = LENGTHS[layout]
+    (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[0], dtype, seed=2)
+    pos = ref.positions_in_sequence(cu, q.shape[0])
+    out, grads, want, wgrads = run_both(lambda a, b, c: _attn.causal_attention(a, b, c, cu),
+                                        lambda a, b, c: ref.query_sparse_attention(a, b, c, pos, cu, cu),
+                                        [q, k, v], dtype, seed=9)
+    check_all(out, grads, want, wgrads, dtype, "causal")
+
+
+@pytest.fixture
+def atomic_dq():
+    """Switch both kernel kinds to the atomic-dQ backward for one test."""
+    _attn.CONFIG_OVERRIDE.clear()
+    _attn.CONFIG_OVERRIDE.update({("global",): {"dq_mode": "atomic"}, ("window",): {"dq_mode": "atomic"}})
+    yield
+    _attn.CONFIG_OVERRIDE.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["random", "skip_a_seq", "window7", "window100", "causal"])
+def test_atomic_dq_backward_matches_reference(case, dtype, atomic_dq):
+    lengths = LENGTHS["with_len1"]
+    (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[1], dtype, seed=21)
+    if case.startswith("window"):
+        w = int(case.removeprefix("window"))
+        res = run_both(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, w),
+                       lambda a, b, c: ref.sliding_window_attention(a, b, c, cu, w), [q, k, v], dtype, 3)
+    elif case == "causal":
+        pos = ref.positions_in_sequence(cu, q.shape[0])
+        res = run_both(lambda a, b, c: _attn.causal_attention(a, b, c, cu),
+                       lambda a, b, c: ref.query_sparse_attention(a, b, c, pos, cu, cu), [q, k, v], dtype, 3)
+    else:
+        idx, q_pos, cu_q = select(lengths, case, seed=8)
+        res = run_both(lambda a, b, c: _attn.query_sparse_attention(a, b, c, q_pos, cu_q, cu),
+                       lambda a, b, c: ref.query_sparse_attention(a, b, c, q_pos, cu_q, cu), [q[idx], k, v], dtype, 3)
+    check_all(*res, dtype, f"atomic dQ [{case}]")
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_log_sum_exp_matches_dense(window):
+    """The forward's base-2 log-sum-exp (kept for the backward) equals a dense float64 logsumexp."""
+    lengths = LENGTHS["docs"]
+    (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[0], torch.float32, seed=4)
+    idx, q_pos, cu_q = select(lengths, "random", seed=4)
+    if window:
+        idx = torch.arange(q.shape[0], device=DEVICE)
+        q_pos, cu_q = ref.positions_in_sequence(cu, q.shape[0]), cu
+    scale = 1 / math.sqrt(q.shape[-1])
+    _, lse2 = _attn.attn_forward(q[idx].contiguous(), k, v, q_pos, cu_q, cu, scale, window, bool(window))
+    seq = torch.searchsorted(cu_q[1:].long(), torch.arange(idx.numel(), device=DEVICE), right=True)
+    for i in range(idx.numel()):
+        k0 = int(cu[seq[i]])
+        lo = max(0, int(q_pos[i]) - window + 1) if window else 0
+        keys = k[k0 + lo:k0 + int(q_pos[i]) + 1].double()  # (n, H, D)
+        s = torch.einsum("hd,nhd->hn", q[idx[i]].double(), keys) * scale
+        torch.testing.assert_close(lse2[:, i].double() * math.log(2), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_named():
+    (q, k, v), cu = packed([8], 1, HEAD_DIMS[0], torch.float32, seed=0)
+    with pytest.raises(ValueError, match="head dims"):
+        _attn.sliding_window_attention(q[..., :12], k[..., :12], v[..., :12], cu, 4)
+    with pytest.raises(ValueError, match="window"):
+        _attn.sliding_window_attention(q, k, v, cu, 0)
+    with pytest.raises(ValueError, match="share one of"):
+        _attn.sliding_window_attention(q.double(), k.double(), v.double(), cu, 4)
+    with pytest.raises(ValueError, match="q_pos"):
+        _attn.query_sparse_attention(q, k, v, torch.zeros(3, dtype=torch.int32, device=DEVICE), cu, cu)
+
+
+def test_logo_layer_triton_equals_reference():
+    """The model's LoGo layer (routing, both branches, fusion) gives the same output and gradients with the
+    Triton kernels as with the reference ops, across packed documents."""
+    from logo.config import AttentionConfig, ModelConfig
+    from logo.model.layers import PackedSeqs, rope_cos_sin
+    from logo.model.logo_attention import LoGoAttention
+    D = HEAD_DIMS[0]
+    outs = {}
+    for backend in ("triton", "reference"):
+        torch.manual_seed(0)
+        cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1,
+                          attention=AttentionConfig(kind="logo", window=8, backend=backend, gate_init_std=0.5))
+        layer = LoGoAttention(cfg).to(DEVICE)
+        layer.init_weights(0.5, 0.5)
+        B, T = 2, 40
+        x = torch.randn(B, T, cfg.dim, device=DEVICE, requires_grad=True)
+        seqs = PackedSeqs.build(B, T, DEVICE, torch.tensor([0, 13, 40, 52, 80], dtype=torch.int32, device=DEVICE))
+        cos, sin = rope_cos_sin(T, D, 10000.0, DEVICE)
+        out, _, stats = layer(x, cos, sin, seqs)
+        assert 0 < stats[0] < B * T  # some rows routed global, some not
+        out.square().sum().backward()
+        outs[backend] = (out.detach(), x.grad, layer.gate.grad, layer.transform.A.grad)
+    for a, b in zip(outs["triton"], outs["reference"]):
+        close(a, b, torch.float32, "LoGo layer")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="full-size shapes need a GPU")
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128])
+def test_full_size_on_gpu(dtype, D, dq_mode, monkeypatch):
+    monkeypatch.setattr(_attn, "CONFIG_OVERRIDE", {("global",): {"dq_mode": dq_mode}, ("window",): {"dq_mode": dq_mode}})
+    lengths = [3001, 5191]  # 8k tokens in two documents
+    (q, k, v), cu = packed(lengths, 4, D, dtype, seed=D)
+    idx, q_pos, cu_q = select(lengths, "random", seed=D)
+    res = run_both(lambda a, b, c: _attn.query_sparse_attention(a, b, c, q_pos, cu_q, cu),
+                   lambda a, b, c: ref.query_sparse_attention(a, b, c, q_pos, cu_q, cu), [q[idx], k, v], dtype, 1)
+    check_all(*res, dtype, "query_sparse 8k")
+    res = run_both(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, 128),
+                   lambda a, b, c: ref.sliding_window_attention(a, b, c, cu, 128), [q, k, v], dtype, 2)
+    check_all(*res, dtype, "sliding_window 8k")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="training with the kernels needs a GPU")
+def test_training_loss_curve_triton_equals_reference():
+    """A small LoGo model (head dim 128, packed documents, bf16 autocast) trained for a few steps with the Triton
+    kernels and with the reference ops: the same per-step losses within bf16 tolerance (2%)."""
+    from logo.config import AttentionConfig, ModelConfig
+    from logo.model import BudgetController, Transformer
+    steps, B, T = 8, 4, 1024
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 500, (B, 64), generator=g)
+    tokens = base.repeat(1, T // 64 + 1)[:, :T + 1].cuda()  # repeats beyond the window: global span pays
+    cu = torch.tensor([0, 300, 1024, 1500, 2048, 3072, 3500, 4096], dtype=torch.int32, device="cuda")
+    curves = {}
+    for backend in ("triton", "reference"):
+        torch.manual_seed(0)
+        attn = AttentionConfig(kind="logo", window=128, backend=backend, gamma=0.01, threshold_init=0.48)
+        model = Transformer(ModelConfig(dim=512, n_layers=4, n_heads=4, vocab_size=512, attention=attn)).cuda()
+        model.init_weights()
+        ctrl = BudgetController(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        losses = []
+        for _ in range(steps):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(tokens[:, :-1], cu_seqlens=cu)
+            loss = F.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ctrl.accumulate(out.routing)
+            ctrl.step()
+            losses.append(loss.item())
+        curves[backend] = (losses, ctrl.thresholds().cpu())
+    (a, ta), (b, tb) = curves["triton"], curves["reference"]
+    assert a[-1] < a[0] - 1.0  # it learns
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= 0.02 * abs(y), (i, a, b)
+    assert torch.allclose(ta, tb, atol=2 * 0.01 + 1e-6), (ta, tb)  # thresholds at most two updates apart
