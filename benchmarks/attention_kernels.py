@@ -250,7 +250,8 @@ def _sweep_configs(kind):
     if kind == "global":
         fwd = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)]
         dq = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]
-        dkdv = [(64, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2)]
+        dkdv = [(64, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 8, 3),
+                (64, 64, 8, 3), (32, 128, 4, 4)]
         atomic = [(64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]
     else:
         fwd = [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)]
@@ -264,7 +265,7 @@ def _sweep_configs(kind):
     return out
 
 
-def sweep(T, window):
+def sweep(T, window, sweep_filter=()):
     """Each kernel's block sizes / warps / stages, one at a time, at rho=0.5 (global) and for the window;
     the backward rows time the whole backward (delta + dQ + dK/dV)."""
     q, k, v = packed_qkv(T)
@@ -279,6 +280,8 @@ def sweep(T, window):
         o, lse = _attn.attn_forward(qq, kd, vd, qp, cq, cu, scale, w, dense)
         do = torch.randn_like(o)
         for label, override, part in _sweep_configs(kind):
+            if sweep_filter and not any(f in f"{kind} {label}" for f in sweep_filter):
+                continue
             _attn.CONFIG_OVERRIDE.clear()
             _attn.CONFIG_OVERRIDE[(kind, D, DT)] = override
             if part == "fwd":
@@ -323,6 +326,7 @@ def main():
                     help="comma list of: ceilings, baselines, flex, ours, routing, layer")
     ap.add_argument("--sweep", type=int, default=0, help="sequence length for a block-size sweep (0: none)")
     ap.add_argument("--layer-lens", default="8192,32768")
+    ap.add_argument("--sweep-filter", default="", help="comma list of substrings of sweep rows to run (e.g. 'global dkdv')")
     ap.add_argument("--profile-layer", action="store_true", help="torch.profiler breakdown of the LoGo layer")
     ap.add_argument("--profile", type=int, default=0, help="sequence length for a torch.profiler breakdown (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -337,7 +341,7 @@ def main():
     if a.profile:
         profile(a.profile, a.window, out)
     if a.sweep:
-        sweep(a.sweep, a.window)
+        sweep(a.sweep, a.window, [f for f in a.sweep_filter.split(",") if f])
     for T in [int(x) for x in a.lens.split(",") if x]:
         if "baselines" in only:
             baselines(T, only)

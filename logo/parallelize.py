@@ -1,8 +1,7 @@
 """Apply parallelism and memory/speed wrappers to a plain `Transformer`.
 
-The model module knows nothing of what happens here. Order (as in torchtitan): torch.compile of the dense
-block parts, activation checkpointing (torchtitan's `apply_ac`), then FSDP2 data parallelism: `fully_shard`
-on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
+The model module knows nothing of what happens here. Order (as in torchtitan): torch.compile of each block,
+activation checkpointing (torchtitan's `apply_ac`), then FSDP2 data parallelism: `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
 `MixedPrecisionPolicy`. FSDP averages gradients over the data-parallel ranks (its default: a custom divide
 factor needs ReduceOp.PREMUL_SUM, which gloo lacks); the trainer scales each rank's loss by the number of
 ranks and divides it by the global number of target tokens, so a step's gradient is the token mean over the
@@ -51,10 +50,11 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
                 activation_checkpointing: bool = False, compile_blocks: bool = False) -> torch.nn.Module:
     """In place: compile, then activation checkpointing, then FSDP2 over dp_mesh (when there is one)."""
     if compile_blocks:
-        # Only the dense parts of each block are compiled: LoGo routing has data-dependent shapes and the
-        # attention ops are their own kernels.
+        # Each block compiled in place (parameter names unchanged, so checkpoints do not depend on it). The
+        # attention kernels are compile boundaries and LoGo routing has data-dependent shapes: Dynamo splits
+        # the graph there and Inductor fuses the rest (RoPE, norms, gate, fusion, SwiGLU).
         for block in model.layers.values():
-            block.feed_forward = torch.compile(block.feed_forward)
+            block.compile()
     if activation_checkpointing:
         from torchtitan.config.job_config import ActivationCheckpoint
         from torchtitan.distributed.activation_checkpoint import apply_ac

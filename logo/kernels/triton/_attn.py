@@ -185,6 +185,7 @@ def _validate(q, k, v, q_pos, cu_q, cu_k):
     _check_dims(q)
 
 
+@torch.compiler.disable  # compile boundary: torch.compile fuses the glue around the kernels, not them
 def query_sparse_attention(q, k, v, q_pos, cu_seqlens_q, cu_seqlens_k, scale=None):
     """Causal attention for packed selected query rows over dense keys/values: (Nq, H, D).
 
@@ -200,6 +201,7 @@ def query_sparse_attention(q, k, v, q_pos, cu_seqlens_q, cu_seqlens_k, scale=Non
                             cu_seqlens_k.to(torch.int32).contiguous(), scale, 0, False)
 
 
+@torch.compiler.disable
 def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale=None):
     """Causal sliding-window attention over packed sequences: (N, H, D). Same contract as the reference."""
     if window < 1:
@@ -216,6 +218,7 @@ def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale=None):
     return _RangeAttn.apply(q, k, v, cu, cu, cu, scale, int(window), True)
 
 
+@torch.compiler.disable
 def causal_attention(q, k, v, cu_seqlens, scale=None):
     """Dense causal attention inside each packed sequence (every row a query): (N, H, D)."""
     cu = cu_seqlens.to(torch.int32).contiguous()
