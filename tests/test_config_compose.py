@@ -124,6 +124,11 @@ def test_ratio_sweep_and_hybrids_budgets():
         rho = {25: 0.25, 5: 0.5, 75: 0.75}[r]
         assert _plan(f"experiment=ratio_sweep/logo_{r}").attention_budget == pytest.approx(rho)
         assert _plan(f"experiment=ratio_sweep/inter_layer_{r}").attention_budget == pytest.approx(rho)
+        for kind in ("logo", "inter_layer"):  # the 32k stage keeps the budget and starts from its own 8k run
+            c = to_dataclass(compose_cfg(f"experiment=ratio_sweep/{kind}_{r}_ctx32k"))
+            p = make_plan(c, 1)
+            assert (p.attention_budget, p.seq_len, p.pmask_steps) == (pytest.approx(rho), 32768, 0)
+            assert c.checkpoint.init_from == f"runs/ratio_sweep-{kind}_{r}-pretrain_8k"
     expect = {"inter_layer_1to1": 0.5, "inter_layer_1to3": 0.25, "inter_layer_1to1_logo_0.5": 0.25,
               "inter_layer_1to1_logo_0.7": 0.35}
     for name, budget in expect.items():

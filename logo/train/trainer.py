@@ -149,9 +149,12 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
     """Run (or resume) the training described by cfg; returns the final metrics."""
     device, rank, world = _setup_distributed(cfg)
     plan = make_plan(cfg, world, attention_name)
-    init_from = resolve_checkpoint(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None
     run_dir = Path(plan.run_dir)
     cfg.model.attention.threshold_init = plan.threshold_init
+    # Resume wins over init_from; either is checked before anything is built, so a bad path fails at once.
+    ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
+    latest = ckpt.latest() if cfg.checkpoint.resume else None
+    init_from = resolve_checkpoint(cfg.checkpoint.init_from) if cfg.checkpoint.init_from and latest is None else None
     if rank == 0:
         plan.write(run_dir)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
@@ -174,9 +177,7 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
     loader = _build_data(cfg, plan, rank, world)
     ctrl = BudgetController(model, process_group=None)  # the default group is the data-parallel group
 
-    ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
     step, wandb_id = 0, None
-    latest = ckpt.latest() if cfg.checkpoint.resume else None
     if latest is not None:
         st = ckpt.load(latest, model, opt)
         step, wandb_id = st["step"], st.get("wandb_id")
@@ -185,7 +186,7 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
         _set_rng_state(st["rng"])
         if rank == 0:
             log.info("resumed from %s (step %d)", latest, step)
-    elif init_from is not None:
+    elif init_from is not None:  # a fresh stage that starts from the previous stage's weights and thresholds
         load_model_only(init_from, model)
         if rank == 0:
             log.info("initialized model and thresholds from %s (fresh optimizer, schedule and data)", init_from)
