@@ -225,18 +225,23 @@ def logo_layer(T, window, out: Path, profile_it: bool):
         lambda a, b, c: _sdpa_cudnn(a, b, c), *[t.detach().transpose(1, 2).contiguous().requires_grad_()
                                                for t in (q, k, v)]), flops_causal(T), rho=1.0)
     if profile_it:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as tprofile
-        for _ in range(3):
-            run()
+        profile_table(run, f"LoGo layer T={T}", out / f"profile_layer_{T}.txt", rows=25)
+
+
+def profile_table(fn, title: str, path: Path, rows: int = 12) -> None:
+    """torch.profiler over 5 calls of fn (after 3 warm-ups): CUDA time per kernel, printed and saved."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
         torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                run()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        print(f"--- profile LoGo layer T={T} (5 iterations)\n{table}", flush=True)
-        (out / f"profile_layer_{T}.txt").write_text(table)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    print(f"--- profile {title} (5 iterations)\n{table}", flush=True)
+    path.write_text(table)
 
 
 def _sdpa_cudnn(q, k, v):
@@ -295,8 +300,6 @@ def sweep(T, window, sweep_filter=()):
 def profile(T, window, out: Path):
     """CUDA time per kernel (torch.profiler) for one fwd+bwd of query-sparse rho=0.5 and of the window:
     shows what the wall time is made of (kernels vs gaps)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
     q, k, v = packed_qkv(T)
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     pos = selection(T, 0.5).to(torch.int32)
@@ -305,16 +308,7 @@ def profile(T, window, out: Path):
     cases = {"qsparse rho=0.5": fwd_bwd(lambda a, b, c: _attn.query_sparse_attention(a, b, c, pos, cu_q, cu), qs, k, v),
              f"local w{window}": fwd_bwd(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, window), q, k, v)}
     for name, fn in cases.items():
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
-        print(f"--- profile {name} T={T} (5 iterations)\n{table}", flush=True)
-        (out / f"profile_{name.split()[0]}_{T}.txt").write_text(table)
+        profile_table(fn, f"{name} T={T}", out / f"profile_{name.split()[0]}_{T}.txt")
 
 
 def main():

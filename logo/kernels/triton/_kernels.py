@@ -59,6 +59,19 @@ def _key_regions(first, last, BN: tl.constexpr):
     return lo, tl.minimum(u0, hi), u0, u1, hi
 
 
+@triton.jit
+def _query_block(QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr):
+    """This program's query rows (block taken from the end: later rows see more keys, so they start first),
+    their key spans and the key regions of the block."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    rows = pid * BM + tl.arange(0, BM)
+    row_ok = rows < NQ
+    first, last = _row_spans(tl.minimum(rows, NQ - 1), QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED, DENSE_Q)
+    lo, m_end, u0, u1, hi = _key_regions(first, last, BN)
+    return rows, row_ok, first, last, lo, m_end, u0, u1, hi
+
+
 # ----------------------------------------------------------------------------------------------------------
 # forward: one program per (query block, head)
 # ----------------------------------------------------------------------------------------------------------
@@ -98,13 +111,9 @@ def _fwd_kernel(Q, K, V, O, LSE, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
                 sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, qk_scale,
                 WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 D: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # later rows see more keys: schedule them first
     h = tl.program_id(1)
-    rows = pid * BM + tl.arange(0, BM)
-    row_ok = rows < NQ
-    rr = tl.minimum(rows, NQ - 1)
-    first, last = _row_spans(rr, QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED, DENSE_Q)
-    lo, m_end, u0, u1, hi = _key_regions(first, last, BN)
+    rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
+                                                                    WINDOWED, DENSE_Q, BM, BN)
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -177,13 +186,9 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, w
                sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdq_n, sdq_h, qk_scale, scale,
                WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                D: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    rows = pid * BM + tl.arange(0, BM)
-    row_ok = rows < NQ
-    rr = tl.minimum(rows, NQ - 1)
-    first, last = _row_spans(rr, QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED, DENSE_Q)
-    lo, m_end, u0, u1, hi = _key_regions(first, last, BN)
+    rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
+                                                                    WINDOWED, DENSE_Q, BM, BN)
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
