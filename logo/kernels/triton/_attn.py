@@ -206,25 +206,24 @@ def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale=None):
     """Causal sliding-window attention over packed sequences: (N, H, D). Same contract as the reference."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    cu = cu_seqlens.to(torch.int32).contiguous()
-    n = q.shape[0]
-    _validate(q, k, v, None, cu, cu)
-    if k.shape[0] != n:
-        raise ValueError(f"q and k must have the same rows for sliding-window attention, got {n} and {k.shape[0]}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if n == 0:
-        return q * 0.0
-    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
-    return _RangeAttn.apply(q, k, v, cu, cu, cu, scale, int(window), True)
+    return _every_row_a_query(q, k, v, cu_seqlens, int(window), scale)
 
 
 @torch.compiler.disable
 def causal_attention(q, k, v, cu_seqlens, scale=None):
     """Dense causal attention inside each packed sequence (every row a query): (N, H, D)."""
+    return _every_row_a_query(q, k, v, cu_seqlens, 0, scale)
+
+
+def _every_row_a_query(q, k, v, cu_seqlens, window: int, scale):
+    """The dense-query problems (window > 0: sliding window; 0: causal): row r is a query at key row r."""
     cu = cu_seqlens.to(torch.int32).contiguous()
+    n = q.shape[0]
     _validate(q, k, v, None, cu, cu)
+    if k.shape[0] != n:
+        raise ValueError(f"q and k must have the same rows when every row is a query, got {n} and {k.shape[0]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if q.shape[0] == 0:
+    if n == 0:
         return q * 0.0
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
-    return _RangeAttn.apply(q, k, v, cu, cu, cu, scale, 0, True)
+    return _RangeAttn.apply(q, k, v, cu, cu, cu, scale, window, True)

@@ -60,6 +60,29 @@ def _key_regions(first, last, BN: tl.constexpr):
 
 
 @triton.jit
+def _tile(base, n0, offs_n, offs_d, stride, end, MASK: tl.constexpr, TRANS: tl.constexpr):
+    """The key/value rows n0 + offs_n starting at `base` (row stride `stride`): (BN, D), or (D, BN) when TRANS.
+    With MASK, rows at or after `end` read as zero."""
+    if TRANS:
+        ptrs = base + offs_n[None, :] * stride + offs_d[:, None]
+        row_in = (n0 + offs_n < end)[None, :]
+    else:
+        ptrs = base + offs_n[:, None] * stride + offs_d[None, :]
+        row_in = (n0 + offs_n < end)[:, None]
+    if MASK:
+        x = tl.load(ptrs, mask=row_in, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _visible(keys, first, last):
+    """(rows, keys) mask: key j is visible to query row r iff first[r] <= j <= last[r]."""
+    return (keys[None, :] >= first[:, None]) & (keys[None, :] <= last[:, None])
+
+
+@triton.jit
 def _query_block(QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr):
     """This program's query rows (block taken from the end: later rows see more keys, so they start first),
@@ -83,18 +106,11 @@ def _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, start,
     kb = k_head + start.to(tl.int64) * sk_n  # block pointers advance in int64 (no 32-bit overflow)
     vb = v_head + start.to(tl.int64) * sv_n
     for n0 in range(start, end, BN):
-        if MASK:
-            kin = n0 + offs_nb < hi
-            kt = tl.load(kb + offs_nb[None, :] * sk_n + offs_d[:, None], mask=kin[None, :], other=0.0)
-            v = tl.load(vb + offs_nb[:, None] * sv_n + offs_d[None, :], mask=kin[:, None], other=0.0)
-        else:
-            kt = tl.load(kb + offs_nb[None, :] * sk_n + offs_d[:, None])
-            v = tl.load(vb + offs_nb[:, None] * sv_n + offs_d[None, :])
+        kt = _tile(kb, n0, offs_nb, offs_d, sk_n, hi, MASK, True)  # (D, BN)
+        v = _tile(vb, n0, offs_nb, offs_d, sv_n, hi, MASK, False)  # (BN, D)
         s = _dot(q, kt, PREC)  # raw scores; the scale is folded into the max and the exp2 argument (one FMA)
         if MASK:
-            key = n0 + offs_nb
-            vis = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])
-            s = tl.where(vis, s, float("-inf"))
+            s = tl.where(_visible(n0 + offs_nb, first, last), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -160,19 +176,12 @@ def _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, st
     kb = k_head + start.to(tl.int64) * sk_n  # block pointers advance in int64 (no 32-bit overflow)
     vb = v_head + start.to(tl.int64) * sv_n
     for n0 in range(start, end, BN):
-        if MASK:
-            kin = n0 + offs_nb < hi
-            k = tl.load(kb + offs_nb[:, None] * sk_n + offs_d[None, :], mask=kin[:, None], other=0.0)
-            vt = tl.load(vb + offs_nb[None, :] * sv_n + offs_d[:, None], mask=kin[None, :], other=0.0)
-        else:
-            k = tl.load(kb + offs_nb[:, None] * sk_n + offs_d[None, :])
-            vt = tl.load(vb + offs_nb[None, :] * sv_n + offs_d[:, None])
+        k = _tile(kb, n0, offs_nb, offs_d, sk_n, hi, MASK, False)  # (BN, D)
+        vt = _tile(vb, n0, offs_nb, offs_d, sv_n, hi, MASK, True)  # (D, BN)
         s = _dot(q, tl.trans(k), PREC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASK:
-            key = n0 + offs_nb
-            vis = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])
-            p = tl.where(vis, p, 0.0)
+            p = tl.where(_visible(n0 + offs_nb, first, last), p, 0.0)
         dp = _dot(do, vt, PREC)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, PREC)
