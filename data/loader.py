@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -35,6 +36,19 @@ class Batch:
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=True)
         return Batch(self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), cu,
                      self.valid.to(device, non_blocking=True))
+
+    def pin_memory(self) -> "Batch":
+        """A copy in page-locked memory, so that `to(cuda)` is a true asynchronous copy."""
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.pin_memory()
+        return Batch(self.inputs.pin_memory(), self.labels.pin_memory(), cu, self.valid.pin_memory())
+
+
+@dataclass
+class StepData:
+    """One optimizer step's data for one rank."""
+
+    micro_batches: list[Batch]  # this rank's micro-batches of the global batch
+    target_tokens: int  # valid targets (labels != IGNORE_INDEX) of the whole global batch, every rank
 
 
 class ShardDataset:
@@ -117,16 +131,18 @@ class TokenLoader:
         self.batches_per_epoch = self.num_instances // global_batch  # may be 0 for an eval-only loader
         self.batches_consumed = 0
         self._order_epoch, self._order = -1, None
+        self._order_lock = threading.Lock()  # a prefetch thread and the main thread may both ask
 
     @property
     def epoch(self) -> int:
         return self.batches_consumed // max(self.batches_per_epoch, 1)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._order, self._order_epoch = rng.permutation(self.num_instances), epoch
-        return self._order
+        with self._order_lock:
+            if self._order_epoch != epoch:
+                rng = np.random.default_rng([self.seed, epoch])
+                self._order, self._order_epoch = rng.permutation(self.num_instances), epoch
+            return self._order
 
     def global_batch_instances(self, b: int) -> np.ndarray:
         """Instance ids of global batch b (counted from the start of training), for every rank."""
@@ -136,18 +152,20 @@ class TokenLoader:
         epoch, i = divmod(b, self.batches_per_epoch)
         return self._epoch_order(epoch)[i * self.G:(i + 1) * self.G]
 
+    def _valid_lengths(self, instances: np.ndarray) -> np.ndarray:
+        """(M,) int64 valid positions (= valid targets) of the rows for instance ids (M,); -1 (padding) -> 0."""
+        avail = np.minimum(self.T + 1, self.ds.num_tokens - instances.astype(np.int64) * self.T)
+        return np.where(instances < 0, 0, avail - 1)
+
     def _make_batch(self, instances: np.ndarray) -> Batch:
         """Rows for instance ids (M,); an id of -1 is a padding row. Windows cut by the end of the stream
         (eval only) are padded with EOS, valid=False, label -100."""
-        T, n_tok = self.T, self.ds.num_tokens
+        T = self.T
         windows = np.full((len(instances), T + 1), self.ds.eos, dtype=np.int64)  # (M, T+1)
-        n_valid = np.zeros(len(instances), dtype=np.int64)  # (M,) valid input positions per row
+        n_valid = self._valid_lengths(instances)  # (M,) valid input positions per row
         for r, i in enumerate(instances.tolist()):
-            if i < 0:
-                continue
-            avail = min(T + 1, n_tok - i * T)
-            self.ds.read(i * T, avail, out=windows[r, :avail])
-            n_valid[r] = avail - 1
+            if i >= 0:
+                self.ds.read(i * T, int(n_valid[r]) + 1, out=windows[r, :n_valid[r] + 1])
         inputs = torch.from_numpy(windows[:, :-1].copy())
         labels = torch.from_numpy(windows[:, 1:].copy())
         if (n_valid == T).all():
@@ -168,13 +186,20 @@ class TokenLoader:
             cu = torch.tensor(offs, dtype=torch.int32)  # (S+1,) int32
         return Batch(inputs, labels, cu, valid)
 
-    def next_step(self) -> list[Batch]:
-        """This rank's micro-batches of the next global batch."""
-        inst = self.global_batch_instances(self.batches_consumed)
+    def step_data(self, b: int) -> StepData:
+        """This rank's micro-batches of global batch b and the global batch's target count (all ranks: from
+        the instance ids alone, so no communication). Does not move the position: safe on a prefetch thread."""
+        inst = self.global_batch_instances(b)
         per_rank = self.G // self.world
         mine = inst[self.rank * per_rank:(self.rank + 1) * per_rank]
+        micro = [self._make_batch(mine[j:j + self.M]) for j in range(0, per_rank, self.M)]
+        return StepData(micro, int(self._valid_lengths(inst).sum()))
+
+    def next_step(self) -> list[Batch]:
+        """This rank's micro-batches of the next global batch."""
+        data = self.step_data(self.batches_consumed)
         self.batches_consumed += 1
-        return [self._make_batch(mine[j:j + self.M]) for j in range(0, per_rank, self.M)]
+        return data.micro_batches
 
     def num_eval_batches(self) -> int:
         """Micro-batches iter_eval() yields on every rank (equal on all ranks)."""

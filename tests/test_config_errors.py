@@ -30,6 +30,12 @@ def load(*overrides):
     (["train.dtype=fp8"], "train.dtype"),
     (["data=shards", "data.path="], "data.path"),
     (["model.attention.rho=0.3"], "model.attention"),
+    (["parallel.reshard_after_forward=sometimes"], "parallel.reshard_after_forward"),
+    (["parallel.reduce_dtype=fp16"], "parallel.reduce_dtype"),
+    (["parallel.forward_prefetch=-1"], "parallel.forward_prefetch"),
+    (["parallel.backward_prefetch=9"], "parallel.backward_prefetch"),
+    (["eval.interval=-1"], "eval.interval"),
+    (["eval.interval=10", "eval.tokens=0"], "eval.tokens"),
 ])
 def test_bad_value_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:

@@ -1,14 +1,23 @@
 """BudgetController across 2 gloo ranks: thresholds equal on every rank and equal to one process that sees
-the whole global batch (counts are summed over ranks before the sign is taken)."""
+the whole global batch (counts are summed over ranks before the sign is taken); the model plain or sharded with
+FSDP2 under each choice of the FSDP options."""
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from logo.config import AttentionConfig, model_config
 from logo.model import BudgetController, Transformer
+
+FSDP_OPTIONS = {  # None: the plain model on each rank (tests/test_train_distributed.py covers "always"/0/0)
+    "plain": None,
+    "fsdp_defaults": {},
+    "fsdp_never_prefetch2_bf16": dict(reshard_after_forward="never", forward_prefetch=2, backward_prefetch=2,
+                                      reduce_dtype=torch.bfloat16),
+}
 
 STEPS, MICRO, B, T = 6, 2, 2, 24
 
@@ -42,11 +51,15 @@ def run_steps(model, ctrl, rows_for_step):
     return torch.stack(history)
 
 
-def _worker(rank, port, out_dir):
+def _worker(rank, port, out_dir, fsdp):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         model = build()
+        if fsdp is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+            from logo.parallelize import apply_fsdp
+            apply_fsdp(model, init_device_mesh("cpu", (2,)), torch.float32, **fsdp)
         ctrl = BudgetController(model, process_group=dist.group.WORLD)
         hist = run_steps(model, ctrl, lambda s: global_batch(s).chunk(2)[rank])
         torch.save(hist, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -60,8 +73,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_thresholds_match_across_ranks_and_single_process(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("fsdp", [f if f == "plain" else pytest.param(f, marks=pytest.mark.slow)
+                                  for f in FSDP_OPTIONS])
+def test_thresholds_match_across_ranks_and_single_process(tmp_path, fsdp):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), FSDP_OPTIONS[fsdp]), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert torch.equal(r0, r1)
     model = build()

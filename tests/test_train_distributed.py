@@ -1,4 +1,6 @@
-"""2-process torchrun data-parallel FSDP2 on CPU (gloo) == one process on the same global batch."""
+"""2-process torchrun data-parallel FSDP2 on CPU (gloo) == one process on the same global batch, with the
+default FSDP options and with every other choice of them (reshard, explicit prefetch depth, bf16 reduction,
+synchronous data loading)."""
 import json
 
 import pytest
@@ -7,15 +9,29 @@ from conftest import TINY_RUN, read_metrics, run_train
 
 STEPS = 4
 LAYERS = 4
+ARGS = [*TINY_RUN, f"train.steps={STEPS}", "checkpoint.interval=2"]
+OPTIONS = {  # name: (overrides, relative tolerance of loss and grad norm vs the single process)
+    "defaults": ([], 1e-4),  # reshard auto, prefetch 1/1, fp32 reduction, background data prefetch
+    "never_prefetch2_bf16": (["parallel.reshard_after_forward=never", "parallel.forward_prefetch=2",
+                              "parallel.backward_prefetch=2", "parallel.reduce_dtype=bf16"], 1e-2),
+    "always_implicit_sync_data": (["parallel.reshard_after_forward=always", "parallel.forward_prefetch=0",
+                                   "parallel.backward_prefetch=0", "data.prefetch=false"], 1e-4),
+}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, default_corpus):
+    d = tmp_path_factory.mktemp("single")
+    run_train(*ARGS, f"run.dir={d}")
+    return d
 
 
 @pytest.mark.slow
-def test_torchrun_fsdp_matches_single_process(tmp_path, default_corpus):
-    args = [*TINY_RUN, f"train.steps={STEPS}", "checkpoint.interval=2"]
-    single = tmp_path / "single"
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_torchrun_fsdp_matches_single_process(single, tmp_path, name):
+    overrides, rel = OPTIONS[name]
     dist = tmp_path / "dist"
-    run_train(*args, f"run.dir={single}")
-    p = run_train(*args, f"run.dir={dist}", nproc=2, timeout=600)
+    p = run_train(*ARGS, *overrides, f"run.dir={dist}", nproc=2, timeout=600)
     assert "FSDP2 data parallel over 2 ranks" in p.stderr + p.stdout
 
     plan_s = json.loads((single / "plan.json").read_text())
@@ -31,8 +47,11 @@ def test_torchrun_fsdp_matches_single_process(tmp_path, default_corpus):
         assert rb["logo/threshold_spread"] == 0.0  # identical thresholds on both ranks after every step
         for i in range(LAYERS):
             assert rb[f"logo/threshold/layer_{i}"] == ra[f"logo/threshold/layer_{i}"]  # == the single process
-        # losses agree up to float summation order (sharded reduce-scatter vs local accumulation)
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
-        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-3)
+        # losses agree up to float summation order (sharded reduce-scatter vs local accumulation; bf16 reduction
+        # rounds the gradients)
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=rel)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=10 * rel)
+    # held-out loss at the last step (smoke stage: eval on): the same windows on 1 and 2 ranks
+    assert b[-1]["eval/loss"] == pytest.approx(a[-1]["eval/loss"], rel=1e-4)
     ck = sorted(x.name for x in (dist / "checkpoints").iterdir())
     assert ck[-1] == f"step_{STEPS:08d}" and (dist / "checkpoints" / ck[-1] / ".metadata").exists()

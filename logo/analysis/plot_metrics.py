@@ -3,7 +3,7 @@
     python -m logo.analysis.plot_metrics runs/tiny-logo-smoke            # writes runs/tiny-logo-smoke/plots/*.png
     python -m logo.analysis.plot_metrics RUN_DIR --out DIR
 
-Plots: loss.png (training loss and learning rate), ratio.png (realized global ratio per LoGo layer, with the
+Plots: loss.png (training loss, held-out loss when eval.interval is on, and learning rate), ratio.png (realized global ratio per LoGo layer, with the
 target rho when the run's config.yaml is present), threshold.png (per-layer threshold b), gate.png (gate
 mean +- std per layer) and ratio_heatmap.png (layers x steps).
 """
@@ -84,13 +84,18 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
         plt.close(fig)
         written.append(p)
 
-    steps = [r["step"] for r in rows]
+    train = [r for r in rows if "loss" in r]  # `python -m logo.eval` appends evaluation-only records
+    steps = [r["step"] for r in train]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in rows], label="train loss")
+    ax.plot(steps, [r["loss"] for r in train], label="train loss")
+    held = [r for r in train if "eval/loss" in r]
+    if held:
+        ax.plot([r["step"] for r in held], [r["eval/loss"] for r in held], "o-", label="held-out loss")
+        ax.legend(loc="upper right")
     ax.set(xlabel="step", ylabel="loss", title="training loss")
-    if all("lr" in r for r in rows):
+    if train and all("lr" in r for r in train):
         ax2 = ax.twinx()
-        ax2.plot(steps, [r["lr"] for r in rows], color="gray", alpha=0.5, label="lr")
+        ax2.plot(steps, [r["lr"] for r in train], color="gray", alpha=0.5, label="lr")
         ax2.set_ylabel("learning rate")
     save(fig, "loss.png")
 

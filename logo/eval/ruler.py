@@ -147,3 +147,54 @@ def model_generate_fn(model, tokenizer, max_new_tokens: int = 64, autocast_dtype
                               autocast_dtype=autocast_dtype)
         return tokenizer.decode(ids)
     return run
+
+
+def check_request(lengths: list[int], tasks: list[str], context: int) -> None:
+    """One-line errors for an unknown task or a length the model cannot take (> its trained context)."""
+    from logo.eval.load import EvalError
+    for t in tasks:
+        if t not in TASKS:
+            raise EvalError(f"unknown RULER task {t!r}; choose from {list(TASKS)}")
+    for n in lengths:
+        if n > context:
+            raise EvalError(f"RULER length {n} is longer than the model's context of {context} tokens "
+                             f"(stage.seq_len it was trained at); pass lengths <= {context} or --max-context N")
+        if n < 1:
+            raise EvalError(f"RULER length {n} must be a positive number of tokens")
+
+
+def run_ruler(model, tokenizer, lengths: list[int], tasks: Optional[list[str]] = None, samples: int = 50,
+              batch_size: int = 1, max_new_tokens: int = 64, seed: int = 0, autocast=None) -> dict:
+    """Scores x100 {"scores": {task: {length: s}}, "average": {length: s}} with KV-cache greedy decoding,
+    `batch_size` prompts at a time (right-padded), stopping at a newline or end of text."""
+    from contextlib import nullcontext
+
+    from logo.eval.decode import generate
+    from logo.eval.load import EvalError
+    tasks = list(tasks or TASKS)
+    builder = NeedleTaskBuilder(tokenizer, seed=seed)
+    stop = {tokenizer.eot_token, *tokenizer.encode("\n")}
+    items = {(n, t): [builder.sample(t, n, i) for i in range(samples)] for n in lengths for t in tasks}
+    for (n, t), batch in items.items():  # every request checked before any decoding
+        short = [s for s in batch if s.prompt_tokens > n]
+        if short:
+            raise EvalError(f"RULER length {n} is too short for task {t!r}: its prompt needs "
+                            f"{short[0].prompt_tokens} tokens without any haystack")
+    scores: dict[str, dict[str, float]] = {t: {} for t in tasks}
+    for (n, t), todo in items.items():
+        vals = []
+        for i in range(0, len(todo), batch_size):
+            batch = todo[i:i + batch_size]
+            with autocast or nullcontext():
+                out = generate(model, [tokenizer.encode(s.prompt) for s in batch], max_new_tokens, stop)
+            vals += [score(tokenizer.decode(ids), s.answers) for ids, s in zip(out.tokens, batch)]
+        scores[t][str(n)] = 100.0 * sum(vals) / len(vals)
+    average = {str(n): sum(scores[t][str(n)] for t in tasks) / len(tasks) for n in lengths}
+    return {"scores": scores, "average": average}
+
+
+def ruler_metrics(res: dict) -> dict:
+    """eval/ruler/<task>/<length> and eval/ruler/avg/<length>."""
+    m = {f"eval/ruler/{t}/{n}": v for t, per in res["scores"].items() for n, v in per.items()}
+    m.update({f"eval/ruler/avg/{n}": v for n, v in res["average"].items()})
+    return m

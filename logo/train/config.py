@@ -7,6 +7,7 @@ and raises ConfigError naming the field.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -48,6 +49,9 @@ class TrainConfig:
     compile: bool = False
     activation_checkpointing: bool = False
     seed: int = 0
+    # Python's automatic GC pauses at random points (a straggler for every other rank); instead collect
+    # generations 0-1 every gc_interval steps on every rank at once (and fully at checkpoints). 0: automatic GC.
+    gc_interval: int = 50
 
 
 @dataclass
@@ -57,6 +61,7 @@ class DataConfig:
     tokenizer: str = "cl100k_base"
     seed: int = 1234
     document_mask: bool = True
+    prefetch: bool = True  # build the next steps' batches on a background thread (pinned memory on CUDA)
 
 
 @dataclass
@@ -82,6 +87,32 @@ class LoggingConfig:
 class ParallelConfig:
     backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda
+    # FSDP2 (used with more than one rank; see logo/parallelize.py::apply_fsdp)
+    reshard_after_forward: str = "auto"  # auto: every unit but the last block and norm+head | always | never
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 | bf16 (half the bytes, bf16-rounded sums)
+    forward_prefetch: int = 1  # units each unit all-gathers ahead in forward, issued explicitly (0: implicit only)
+    backward_prefetch: int = 1  # the same in backward (0: FSDP2's default implicit prefetch of one unit)
+
+
+@dataclass
+class LaunchConfig:
+    """SLURM resources of a run, read by launch/sweep.sh (one task per node runs torchrun); training ignores them."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8  # 0: a CPU run
+    procs_per_node: int = 0  # training processes per node; 0: one per GPU (CPU runs: 1)
+    cpus_per_node: int = 32  # CPU cores of the one task per node (torchrun and its workers)
+    time: str = "24:00:00"  # SLURM time limit of one job; a longer run requeues itself and resumes
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss during training (`logo/eval/heldout.py`), on the corpus's validation split."""
+
+    interval: int = 0  # optimizer steps between evaluations (and one at the last step); 0 = off
+    tokens: int = 0  # held-out tokens per evaluation: the first ~N of the split (all of it if smaller)
+    micro_batch: int = 0  # sequences per forward; 0 = train.micro_batch
+    split: str = "val"
 
 
 @dataclass
@@ -100,7 +131,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     experiment: str = ""  # set by experiment presets
     dry_run: bool = False
 
@@ -108,6 +141,23 @@ class Config:
 def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
     ConfigStore.instance().store(name="logo_schema", node=Config)
+
+
+def compose(overrides: list[str]) -> tuple[Config, dict, str]:
+    """The config `train.py OVERRIDES` would run (Hydra's compose API; for benchmarks and tools):
+    (validated Config, resolved dict as written to config.yaml, the chosen attention option's name)."""
+    from pathlib import Path
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import open_dict
+    register_configs()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
+        cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
+    attention = cfg.hydra.runtime.choices.get("attention", "")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return to_dataclass(cfg), OmegaConf.to_container(cfg, resolve=True), attention
 
 
 def to_dataclass(cfg: DictConfig) -> Config:
@@ -154,6 +204,8 @@ def validate(c: Config) -> None:
         _fail("train.dtype", t.dtype, "choose auto, fp32 or bf16")
     if t.grad_clip <= 0:
         _fail("train.grad_clip", t.grad_clip, "must be > 0")
+    if not isinstance(t.gc_interval, int) or t.gc_interval < 0:
+        _fail("train.gc_interval", t.gc_interval, "must be an integer >= 0 (0: Python's automatic GC)")
     if c.data.kind not in ("default", "shards"):
         _fail("data.kind", c.data.kind, "choose default or shards")
     if c.data.kind == "shards" and not c.data.path:
@@ -162,5 +214,29 @@ def validate(c: Config) -> None:
         _fail("parallel.backend", c.parallel.backend, "choose auto, nccl or gloo")
     if c.parallel.device not in ("auto", "cpu", "cuda"):
         _fail("parallel.device", c.parallel.device, "choose auto, cpu or cuda")
+    if c.parallel.reshard_after_forward not in ("auto", "always", "never"):
+        _fail("parallel.reshard_after_forward", c.parallel.reshard_after_forward, "choose auto, always or never")
+    if c.parallel.reduce_dtype not in ("fp32", "bf16"):
+        _fail("parallel.reduce_dtype", c.parallel.reduce_dtype, "choose fp32 or bf16")
+    for name in ("forward_prefetch", "backward_prefetch"):
+        v = getattr(c.parallel, name)
+        if not isinstance(v, int) or not 0 <= v <= 4:
+            _fail(f"parallel.{name}", v, "must be an integer in [0, 4] (units prefetched ahead)")
     if c.logging.wandb_mode not in ("auto", "online", "offline"):
         _fail("logging.wandb_mode", c.logging.wandb_mode, "choose auto, online or offline")
+    for name, v in (("eval.interval", c.eval.interval), ("eval.tokens", c.eval.tokens),
+                    ("eval.micro_batch", c.eval.micro_batch)):
+        if not isinstance(v, int) or v < 0:
+            _fail(name, v, "must be an integer >= 0 (0 = off / default)")
+    if c.eval.interval > 0 and c.eval.tokens == 0:
+        _fail("eval.tokens", c.eval.tokens, "set a held-out token budget > 0, or eval.interval=0 to turn evaluation off")
+    validate_launch(c.launch)
+
+
+def validate_launch(la: LaunchConfig) -> None:
+    for name, v, lo in (("nodes", la.nodes, 1), ("gpus_per_node", la.gpus_per_node, 0),
+                        ("procs_per_node", la.procs_per_node, 0), ("cpus_per_node", la.cpus_per_node, 1)):
+        if not isinstance(v, int) or v < lo:
+            _fail(f"launch.{name}", v, f"must be an integer >= {lo}")
+    if not re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", la.time):
+        _fail("launch.time", la.time, "not a SLURM time limit (MM, HH:MM:SS or D-HH:MM:SS)")

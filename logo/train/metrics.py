@@ -34,6 +34,10 @@ def new_wandb_id() -> str:
 def console_line(step: int, steps: int, m: dict) -> str:
     parts = [f"step {step:>6}/{steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}", f"gnorm {m['grad_norm']:.3f}",
              f"{m['tokens_per_s'] / 1e3:8.1f}k tok/s"]
+    if "eval/loss" in m:
+        parts.insert(2, f"eval {m['eval/loss']:.4f} (ppl {m['eval/ppl']:.2f})")
+    if "step_time_s" in m:  # mean [min-max] step time of the logging interval
+        parts.append(f"{m['step_time_s']:.3f}s [{m['step_time_min_s']:.3f}-{m['step_time_max_s']:.3f}]")
     if "mfu" in m:
         parts.append(f"mfu {100 * m['mfu']:.1f}%")
     if "memory_gib" in m:

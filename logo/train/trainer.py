@@ -1,6 +1,13 @@
-"""The training loop: one process or torchrun data-parallel FSDP2, resumable, with LoGo budget control."""
+"""The training loop: one process or torchrun data-parallel FSDP2, resumable, with LoGo budget control.
+
+The step itself is `logo/train/step.py` (no host sync); the loop reads its results on the host only at
+logging and checkpoint steps. Per step the host does: take the prefetched batch, launch the step, one
+host-only (gloo) all-reduce of the stop flag when distributed. See docs/benchmarks.md ("Data-parallel
+efficiency").
+"""
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -15,23 +22,23 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
+from data.loader import ShardDataset, TokenLoader
+from data.prefetch import StepLoader
 from logo.config import ConfigError
+from logo.eval.heldout import HeldOutEval
 from logo.model import BudgetController, Transformer
 from logo.parallelize import build_dp_mesh, parallelize
 from logo.train.checkpoint import Checkpointer, load_model_only, resolve_checkpoint
 from logo.train.config import Config
 from logo.train.metrics import MetricsLogger, console_line
 from logo.train.plan import Plan, make_plan
+from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
+                             read_back, spread, train_step)
 
 log = logging.getLogger("logo")
-
-
-class TrainingDiverged(RuntimeError):
-    pass
+__all__ = ["TrainingDiverged", "train", "dry_run", "lr_factor"]
 
 
 class _StopRequest:
@@ -44,6 +51,22 @@ class _StopRequest:
 
     def _handler(self, signum, frame):
         self.signal = signal.Signals(signum).name
+
+    def requested(self, group) -> bool:
+        """True on every rank once any rank got a signal. Distributed: one all-reduce of a CPU flag over a
+        gloo group: host-only, it never waits for the GPU (a device flag would need a host sync per step)."""
+        if group is None:
+            return self.signal is not None
+        flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag[0])
+
+
+def _host_group(world: int):
+    """A process group for host-side flags: the default group when it is gloo, else a gloo side group."""
+    if world == 1:
+        return None
+    return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
 def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
@@ -61,7 +84,7 @@ def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
-def _build_data(cfg: Config, plan: Plan, rank: int, world: int) -> TokenLoader:
+def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.device) -> StepLoader:
     if cfg.data.kind == "default":
         from data.default_corpus import ensure_default_corpus
         if rank == 0:
@@ -75,8 +98,9 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int) -> TokenLoader:
     if ds.vocab_size and ds.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"invalid config model.vocab_size={cfg.model.vocab_size}: the corpus {path} has a "
                           f"vocabulary of {ds.vocab_size} tokens")
-    return TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, rank, world, cfg.data.seed,
-                       cfg.data.document_mask)
+    loader = TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, rank, world, cfg.data.seed,
+                         cfg.data.document_mask)
+    return StepLoader(loader, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda", device=device)
 
 
 def lr_factor(step: int, plan: Plan) -> float:
@@ -126,10 +150,24 @@ def _set_rng_state(states) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+def _fsdp_options(cfg: Config) -> dict:
+    p = cfg.parallel
+    return dict(reduce_dtype=torch.bfloat16 if p.reduce_dtype == "bf16" else torch.float32,
+                reshard_after_forward=p.reshard_after_forward, forward_prefetch=p.forward_prefetch,
+                backward_prefetch=p.backward_prefetch)
+
+
+def _peak_memory_gib(device: torch.device, group) -> float:
+    """Peak memory of this process (GPU: allocated; CPU: RSS), the maximum over ranks when distributed."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if group is not None:
+        t = torch.tensor([peak], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        peak = float(t[0])
+    return peak
 
 
 def _threshold_spread(ctrl: BudgetController) -> float:
@@ -145,8 +183,10 @@ def _threshold_spread(ctrl: BudgetController) -> float:
     return spread
 
 
-def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
-    """Run (or resume) the training described by cfg; returns the final metrics."""
+def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, save_final: bool = True) -> dict:
+    """Run (or resume) the training described by cfg; returns the final metrics.
+    `on_step_end(step)` is called after every step (benchmarks/profile_step.py steps its profiler with it);
+    `save_final=False` skips the checkpoint after the last step (benchmarks)."""
     device, rank, world = _setup_distributed(cfg)
     plan = make_plan(cfg, world, attention_name)
     run_dir = Path(plan.run_dir)
@@ -168,14 +208,15 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
     dp_mesh = build_dp_mesh(device.type)
     parallelize(model, dp_mesh, torch.bfloat16 if bf16 else torch.float32,
-                cfg.train.activation_checkpointing, cfg.train.compile)
+                cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and dp_mesh is None else nullcontext())
 
-    opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                            eps=cfg.train.eps, weight_decay=cfg.train.weight_decay, fused=device.type == "cuda")
+    opt = make_optimizer(model, plan.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, cfg.train.weight_decay)
     sched = _lr_scheduler(opt, plan)
-    loader = _build_data(cfg, plan, rank, world)
+    loader = _build_data(cfg, plan, rank, world, device)
+    heldout = HeldOutEval(cfg, plan, loader.loader, rank, world, device)  # eval.interval=0: does nothing
     ctrl = BudgetController(model, process_group=None)  # the default group is the data-parallel group
+    host_group = _host_group(world)
 
     step, wandb_id = 0, None
     if latest is not None:
@@ -202,81 +243,63 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
         from tqdm import tqdm
         bar = tqdm(total=plan.steps, initial=step, desc="train", unit="step", dynamic_ncols=True, leave=False)
     last = {}
-    t_last, tokens_since = time.perf_counter(), 0
+    monitor, timer = DivergenceMonitor(device), StepTimer(device)
+    if cfg.train.gc_interval:
+        gc.collect()
+        gc.disable()
     try:
         while step < plan.steps:
-            micro_batches = loader.next_step()
-            local_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in micro_batches)
-            n_tokens = _all_reduce_sum(torch.tensor([float(local_tokens)], device=device))
-            loss_sum = torch.zeros((), device=device)
-            n_micro = len(micro_batches) * world
-            dp = world if dp_mesh is not None else 1
-            for i, mb in enumerate(micro_batches):
-                mb = mb.to(device)
-                if dp_mesh is not None:
-                    model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                with autocast:
-                    out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid)
-                ce = F.cross_entropy(out.logits.flatten(0, 1).float(), mb.labels.flatten(), reduction="sum",
-                                     ignore_index=IGNORE_INDEX)
-                # FSDP averages gradients over ranks, so each rank's share is scaled by `dp`: the step's gradient
-                # is the token mean over the global batch (and the aux loss the mean over all micro-batches).
-                (dp * (ce / n_tokens[0] + out.aux_loss / n_micro)).backward()
-                loss_sum += ce.detach()
-                ctrl.accumulate(out.routing)
-            from torchtitan.distributed.utils import clip_grad_norm_
-            grad_norm = clip_grad_norm_(list(model.parameters()), cfg.train.grad_clip)
-            loss = (_all_reduce_sum(loss_sum.reshape(1)) / n_tokens)[0]
-            if not math.isfinite(float(loss)) or not math.isfinite(float(grad_norm)):
-                prev = ckpt.latest()
-                raise TrainingDiverged(f"training diverged at step {step + 1}: loss {float(loss):.6g}, grad norm "
-                                       f"{float(grad_norm):.6g} (not finite); stopped before the optimizer step. "
-                                       f"Last good checkpoint: {prev or 'none'}. Lower stage.lr or check the data, "
-                                       f"then re-run.")
+            with phase("data"):
+                data = loader.next_step()
+            out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=cfg.train.grad_clip,
+                             world=world, sharded=dp_mesh is not None)
             lr = opt.param_groups[0]["lr"]  # the learning rate of this step
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            ctrl.step()
+            with phase("optimizer"):
+                optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
             step += 1
-            tokens_since += plan.global_batch_tokens
+            timer.mark()
             if bar is not None:
                 bar.update(1)
 
-            if step % cfg.logging.interval == 0 or step == plan.steps:
-                el = time.perf_counter() - t_last
-                m = {"loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
-                     "tokens_per_s": tokens_since / el, "tokens": step * plan.global_batch_tokens}
-                if peak:
-                    m["mfu"] = plan.train_flops_per_token * m["tokens_per_s"] / (peak * world)
-                if device.type == "cuda":
-                    m["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                else:
-                    m["memory_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS
-                m.update(ctrl.metrics())
-                if world > 1 and ctrl.layers:
-                    m["logo/threshold_spread"] = _threshold_spread(ctrl)
-                last = m
-                if metrics_log is not None:
-                    metrics_log.log(step, m, heatmap=step % cfg.logging.heatmap_interval == 0)
-                    line = console_line(step, plan.steps, m)
-                    (bar.write(line) if bar is not None else print(line, flush=True))
-                t_last, tokens_since = time.perf_counter(), 0
-
-            stop_now = _all_reduce_sum(torch.tensor([1.0 if stop.signal else 0.0], device=device))[0] > 0
-            if step % cfg.checkpoint.interval == 0 or step == plan.steps or stop_now:
-                path = ckpt.save(step, model, opt, {
-                    "step": step, "lr_scheduler": sched.state_dict(), "data": loader.state_dict(),
-                    "rng": _rng_states_all_ranks(), "wandb_id": metrics_log.wandb_id if metrics_log else None,
-                    "plan": plan.to_json()})
+            with phase("stop_check"):
+                stop_now = stop.requested(host_group)
+            with phase("eval"):
+                evaluated = heldout.maybe_evaluate(step, model, autocast)  # {} unless due; every rank takes part
+            log_now = step % cfg.logging.interval == 0 or step == plan.steps or bool(evaluated)
+            save_now = (step % cfg.checkpoint.interval == 0 or (step == plan.steps and save_final)) or stop_now
+            if log_now or save_now:  # the only host syncs of the loop: loss, grad norm, divergence state
+                with phase("sync"):
+                    loss, grad_norm, diverged = read_back(out, monitor)
+                DivergenceMonitor.check(diverged, ckpt.latest)  # before any checkpoint of a skipped step
+            if log_now:
+                with phase("log"):
+                    last = _log_step(step, plan, loss, grad_norm, lr, timer.durations(), peak, world, device, ctrl,
+                                     host_group, metrics_log, bar, evaluated)
+            if evaluated:
+                timer.restart()  # the held-out evaluation is not part of the next step's time
+            if save_now:
+                with phase("checkpoint"):
+                    gc.collect()
+                    path = ckpt.save(step, model, opt, {
+                        "step": step, "lr_scheduler": sched.state_dict(), "data": loader.state_dict(),
+                        "rng": _rng_states_all_ranks(), "wandb_id": metrics_log.wandb_id if metrics_log else None,
+                        "plan": plan.to_json()})
                 if rank == 0:
                     log.info("saved checkpoint %s", path)
+                timer.restart()  # the save is not part of the next step's time
+            if cfg.train.gc_interval and step % cfg.train.gc_interval == 0:
+                with phase("gc"):
+                    gc.collect(1)
+            if on_step_end is not None:
+                on_step_end(step)
             if stop_now:
                 if rank == 0:
                     log.warning("received %s: checkpoint saved at step %d; re-run the same command to resume",
                                 stop.signal or "a stop signal on another rank", step)
                 break
     finally:
+        gc.enable()
+        loader.close()
         if bar is not None:
             bar.close()
         if metrics_log is not None:
@@ -286,6 +309,28 @@ def train(cfg: Config, resolved: dict, attention_name: str) -> dict:
     if rank == 0:
         (run_dir / "final_metrics.json").write_text(json.dumps({"step": step, **last}, indent=1))
     return {"step": step, **last}
+
+
+def _log_step(step: int, plan: Plan, loss: float, grad_norm: float, lr: float, durations: list, peak, world: int,
+              device: torch.device, ctrl: BudgetController, host_group, metrics_log, bar,
+              evaluated: dict) -> dict:
+    """The metrics of a logging step (every rank: the collectives), written by rank 0."""
+    elapsed = sum(durations) or float("nan")
+    m = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
+         "tokens_per_s": len(durations) * plan.global_batch_tokens / elapsed, "tokens": step * plan.global_batch_tokens,
+         **spread(durations)}
+    if peak:
+        m["mfu"] = plan.train_flops_per_token * m["tokens_per_s"] / (peak * world)
+    m["memory_gib"] = _peak_memory_gib(device, host_group)
+    m.update(ctrl.metrics())
+    m.update(evaluated)  # held-out loss when it was due at this step
+    if world > 1 and ctrl.layers:
+        m["logo/threshold_spread"] = _threshold_spread(ctrl)
+    if metrics_log is not None:
+        metrics_log.log(step, m, heatmap=step % metrics_log.cfg.heatmap_interval == 0)
+        line = console_line(step, plan.steps, m)
+        (bar.write(line) if bar is not None else print(line, flush=True))
+    return m
 
 
 def dry_run(cfg: Config, resolved: dict, attention_name: str = "") -> Plan:

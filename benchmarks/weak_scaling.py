@@ -1,0 +1,131 @@
+"""Weak scaling of data-parallel training: train.py on 1 and N GPUs back to back, the same work per GPU.
+
+    python benchmarks/weak_scaling.py --gpus 1 2 --micro-batch 1 --accum 2 --steps 16 --out /tmp/ws \\
+        -- experiment=scaling/1.5b_full train.compile=true
+
+Each run is `torchrun --standalone --nproc_per_node=n train.py OVERRIDES` with the global batch set to
+n x micro-batch x accumulation sequences (so every GPU does the same work in every run), `logging.interval=1`
+and no checkpoint before the end (the final checkpoint is deleted after the run unless --keep-checkpoints).
+From each run's metrics.jsonl (one record per step, step times from CUDA events) it reports, over the
+second half of the steps (compilation and warm-up excluded): tokens/s per GPU (median), the efficiency against
+the first GPU count, the step-time spread (min and max against the median), MFU (median) and the peak memory
+per GPU (the largest over ranks). Prints a table and writes <out>/weak_scaling.json.
+`--cpu` runs the same on CPU processes over gloo (tests; `parallel.device=cpu`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def run_overrides(overrides: list[str], n: int, micro: int, accum: int, seq_len: int, steps: int,
+                  run_dir: Path, cpu: bool) -> list[str]:
+    return [*overrides, f"stage.global_batch_tokens={n * micro * accum * seq_len}", f"train.micro_batch={micro}",
+            f"train.steps={steps}", "logging.interval=1", "logging.progress_bar=false",
+            f"checkpoint.interval={10**9}", "checkpoint.resume=false", f"run.dir={run_dir}",
+            *(["parallel.device=cpu", "parallel.backend=gloo"] if cpu else [])]
+
+
+def summarize(records: list[dict], world: int) -> dict:
+    """Figures of one run from its per-step metrics (second half of the steps)."""
+    steps = [r for r in records if "step_time_s" in r]
+    if len(steps) < 2:
+        raise SystemExit(f"error: the run logged {len(steps)} steps with timings; run at least 2 (--steps)")
+    half = steps[len(steps) // 2:]
+    times = [r["step_time_s"] for r in half]
+    med = statistics.median(times)
+    out = {"world_size": world, "steps_used": [half[0]["step"], half[-1]["step"]],
+           "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s"] / world for r in half),
+           "step_time_median_s": med, "step_time_min_vs_median": min(times) / med - 1,
+           "step_time_max_vs_median": max(times) / med - 1,
+           "peak_memory_gib_per_gpu": max(r["memory_gib"] for r in steps), "loss_last": steps[-1]["loss"]}
+    if "mfu" in half[0]:
+        out["mfu_median"] = statistics.median(r["mfu"] for r in half)
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| GPUs | tokens/s per GPU | efficiency | step time (median) | spread min / max | MFU "
+            "| peak memory per GPU |")
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mfu = f"{100 * r['mfu_median']:.1f}%" if "mfu_median" in r else "-"
+        lines.append(f"| {r['world_size']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['efficiency']:.1f}% | "
+                     f"{1e3 * r['step_time_median_s']:.1f} ms | {100 * r['step_time_min_vs_median']:+.1f}% / "
+                     f"{100 * r['step_time_max_vs_median']:+.1f}% | {mfu} | {r['peak_memory_gib_per_gpu']:.2f} GiB |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="GPU (process) counts, the first is the base")
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per GPU per step")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cpu", action="store_true", help="CPU processes over gloo")
+    ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
+    args = ap.parse_args(argv)
+    if min(args.gpus) < 1 or args.micro_batch < 1 or args.accum < 1 or args.steps < 2:
+        ap.error("--gpus, --micro-batch and --accum must be >= 1 and --steps >= 2")
+    from logo.config import ConfigError
+    from logo.train.config import compose
+    try:
+        seq_len = compose(list(args.overrides))[0].stage.seq_len
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n in args.gpus:
+        run_dir = out / f"gpus_{n}"
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a fresh run, not a resume of an older one
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               str(ROOT / "train.py"), *run_overrides(args.overrides, n, args.micro_batch, args.accum, seq_len,
+                                                      args.steps, run_dir, args.cpu)]
+        print("$ " + " ".join(cmd[2:]), flush=True)
+        env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.cpu else {})}
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        (out / f"gpus_{n}.log").write_text(p.stdout + p.stderr)
+        if p.returncode != 0:
+            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
+            print(f"error: the {n}-GPU run exited {p.returncode} (log: {out / f'gpus_{n}.log'}):\n{tail}",
+                  file=sys.stderr)
+            return 1
+        plan = json.loads((run_dir / "plan.json").read_text())
+        if (plan["world_size"], plan["micro_batch"], plan["grad_accum"]) != (n, args.micro_batch, args.accum):
+            print(f"error: the {n}-GPU run used micro-batch {plan['micro_batch']} x accumulation "
+                  f"{plan['grad_accum']} x {plan['world_size']} ranks, not {args.micro_batch} x {args.accum} x {n}",
+                  file=sys.stderr)
+            return 1
+        records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        rows.append({**summarize(records, n), "run_dir": str(run_dir)})
+        if not args.keep_checkpoints:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    base = rows[0]["tokens_per_s_per_gpu"]
+    for r in rows:
+        r["efficiency"] = r["tokens_per_s_per_gpu"] / base
+    result = {"overrides": args.overrides, "micro_batch": args.micro_batch, "accum": args.accum,
+              "seq_len": seq_len, "steps": args.steps, "device": "cpu" if args.cpu else "cuda", "runs": rows}
+    (out / "weak_scaling.json").write_text(json.dumps(result, indent=1))
+    print(format_table(rows))
+    print(f"wrote {out / 'weak_scaling.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Evaluate a checkpoint: `python -m logo.eval <what> RUN_DIR_OR_CHECKPOINT [options]`.
+
+    python -m logo.eval perplexity runs/tiny-logo-smoke                         # held-out split, by position
+    python -m logo.eval ruler runs/x --lengths 4096,8192 --samples 50           # the 8 RULER needle tasks
+    python -m logo.eval lm_eval runs/x --tasks hellaswag,piqa                    # lm-evaluation-harness
+    python -m logo.eval span runs/x --text wiki.txt code.py --out figs/          # span-allocation PNGs
+
+Results: <run_dir>/eval/{perplexity,ruler,lm_eval}.json and a record in <run_dir>/metrics.jsonl (plus W&B /
+TensorBoard when the run logs there); span writes PNGs + span_allocation.json (default <run_dir>/eval/span).
+A bad input (missing checkpoint, unknown task, a length the model cannot take, ...) ends with one line
+`error: ...` and exit code 2. See docs/evaluation.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m logo.eval", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+
+    def command(name, help_):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoints/step_N folder")
+        p.add_argument("--device", default="auto", help="auto (cuda if visible) | cpu | cuda[:i]")
+        p.add_argument("--dtype", default="auto", help="auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16")
+        return p
+
+    p = command("perplexity", "perplexity on a held-out split, overall and by context position")
+    p.add_argument("--data", default=None, help="a prepared corpus (default: the one the run trained on)")
+    p.add_argument("--split", default="val")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the trained context)")
+    p.add_argument("--tokens", type=int, default=0, help="evaluate the first ~N tokens (0: the whole split)")
+    p.add_argument("--bucket-size", type=int, default=None, help="position bucket width (default seq_len/8)")
+    p.add_argument("--batch-size", type=int, default=4)
+
+    p = command("ruler", "the 8 RULER needle tasks at chosen lengths")
+    p.add_argument("--lengths", type=_ints, required=True, help="comma-separated prompt lengths in tokens")
+    p.add_argument("--tasks", default="", help="comma-separated subset of the 8 tasks (default all)")
+    p.add_argument("--samples", type=int, default=50, help="prompts per task and length")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-context", type=int, default=None,
+                   help="longest length allowed (default: the trained context, stage.seq_len)")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = command("lm_eval", "lm-evaluation-harness tasks (the model is registered as `logo`)")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", default=None, help="a folder of extra task YAMLs")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=None, help="default: the trained context")
+    p.add_argument("--max-gen-toks", type=int, default=256)
+
+    p = command("span", "span-allocation PNGs (layer-wise, token-wise, word-level) from text files")
+    p.add_argument("--text", nargs="+", required=True, help="text files, one domain each")
+    p.add_argument("--out", default=None, help="output folder (default <run_dir>/eval/span)")
+    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of each text")
+    p.add_argument("--max-words", type=int, default=400, help="words in the word-level view")
+    return ap
+
+
+def _perplexity(a, loaded) -> dict:
+    from logo.eval.perplexity import perplexity, perplexity_metrics
+    res = perplexity(loaded, a.data, a.split, a.seq_len, a.tokens, a.bucket_size, a.batch_size)
+    return {"results": res, "metrics": perplexity_metrics(res),
+            "summary": f"loss {res['loss']:.4f}  ppl {res['ppl']:.3f}  ({res['tokens']:,} tokens of "
+                       f"{res['dataset']} [{res['split']}], seq_len {res['seq_len']})"}
+
+
+def _ruler(a, loaded) -> dict:
+    from data.tokenizer import load_tokenizer
+    from logo.eval.load import EvalError
+    from logo.eval.ruler import check_request, ruler_metrics, run_ruler
+    tasks = [t for t in a.tasks.split(",") if t] or None
+    check_request(a.lengths, tasks or [], a.max_context or loaded.seq_len)
+    if a.samples < 1 or a.batch_size < 1 or a.max_new_tokens < 1:
+        raise EvalError(f"--samples, --batch-size and --max-new-tokens must be >= 1 "
+                         f"(got {a.samples}, {a.batch_size}, {a.max_new_tokens})")
+    res = run_ruler(loaded.model, load_tokenizer(loaded.cfg.data.tokenizer), a.lengths, tasks, a.samples,
+                    a.batch_size, a.max_new_tokens, a.seed, loaded.autocast())
+    return {"results": res, "metrics": ruler_metrics(res),
+            "summary": "  ".join(f"avg@{n} {v:.1f}" for n, v in res["average"].items())}
+
+
+def _lm_eval(a, loaded) -> dict:
+    from logo.eval.lm_eval_run import lm_eval_metrics, run_lm_eval
+    res = run_lm_eval(loaded, a.tasks.split(","), a.include_path, a.num_fewshot, a.limit, a.batch_size,
+                      a.max_length, a.max_gen_toks)
+    return {"results": res, "metrics": lm_eval_metrics(res), "summary": json.dumps(res)}
+
+
+def _span(a, loaded) -> dict:
+    from logo.eval.span import span_analysis
+    out = Path(a.out) if a.out else loaded.run_dir / "eval" / "span"
+    rep = span_analysis(loaded, a.text, out, a.max_tokens, a.max_words)
+    return {"summary": f"wrote {out}/span_allocation.png and per-text PNGs for {', '.join(rep)}"}
+
+
+def main(argv=None) -> int:
+    from data.format import DataError
+    from data.tokenizer import TokenizerError
+    from logo.config import ConfigError
+    from logo.eval.load import EvalError, load_model
+    from logo.eval.results import log_metrics, save_results
+    from logo.train.checkpoint import CheckpointError
+
+    a = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    try:
+        loaded = load_model(a.checkpoint, a.device, a.dtype)
+        out = {"perplexity": _perplexity, "ruler": _ruler, "lm_eval": _lm_eval, "span": _span}[a.what](a, loaded)
+        if "results" in out:
+            path = save_results(loaded, a.what, out["results"])
+            log_metrics(loaded, out["metrics"])
+            print(f"{a.what} of {loaded.checkpoint} (step {loaded.step}): {out['summary']}\nwrote {path}")
+        else:
+            print(out["summary"])
+    except (ConfigError, DataError, CheckpointError, TokenizerError, EvalError) as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

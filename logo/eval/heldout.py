@@ -1,0 +1,63 @@
+"""Held-out loss during training: `eval.interval` / `eval.tokens` on the corpus's validation split.
+
+The validation split is made of whole documents that the training split never holds (`data/prepare.py`
+sends document i to `val` when i % k == k-1), so the two never overlap. Each evaluation reads the same
+first ceil(eval.tokens / seq_len) windows of the split, in order, whatever the number of ranks (rank r takes
+windows r, r+W, ...; rows past the budget are masked), and reduces the summed loss and token count over all
+ranks: `eval/loss` (mean next-token cross-entropy, the training loss's definition) and `eval/ppl`.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
+
+
+class HeldOutEval:
+    """Built once by the trainer; `maybe_evaluate(step, model, autocast)` each step (all ranks)."""
+
+    def __init__(self, cfg, plan, train_loader: TokenLoader, rank: int, world: int, device: torch.device):
+        e = cfg.eval
+        self.interval, self.last_step, self.device = e.interval, plan.steps, device
+        self.last_seconds = 0.0
+        if self.interval <= 0:
+            return
+        ds = ShardDataset(train_loader.ds.root, e.split, tokenizer=cfg.data.tokenizer)
+        self.rank, self.world = rank, world
+        self.micro = e.micro_batch or plan.micro_batch
+        self.loader = TokenLoader(ds, plan.seq_len, self.micro * world, self.micro, rank, world,
+                                  document_mask=cfg.data.document_mask)
+        all_windows = -(-(ds.num_tokens - 1) // plan.seq_len)
+        self.windows = min(all_windows, -(-e.tokens // plan.seq_len))
+        self.batches = -(-self.windows // (self.micro * world))
+
+    def due(self, step: int) -> bool:
+        return self.interval > 0 and (step % self.interval == 0 or step == self.last_step)
+
+    @torch.no_grad()
+    def maybe_evaluate(self, step: int, model, autocast) -> dict:
+        """{"eval/loss", "eval/ppl"} when an evaluation is due at `step` (after its optimizer step), else {}."""
+        self.last_seconds = 0.0
+        if not self.due(step):
+            return {}
+        t0 = time.perf_counter()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, tokens]
+        for j, b in enumerate(self.loader.iter_eval(max_batches=self.batches)):
+            window = self.rank + self.world * (j * self.micro + torch.arange(self.micro))  # (M,) window ids
+            labels = b.labels.masked_fill((window >= self.windows)[:, None], IGNORE_INDEX).to(self.device)
+            b = b.to(self.device)
+            with autocast:
+                out = model(b.inputs, cu_seqlens=b.cu_seqlens, valid=b.valid)
+            ce = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
+                                 ignore_index=IGNORE_INDEX)
+            sums += torch.stack((ce.double(), (labels != IGNORE_INDEX).sum().double()))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        loss = float(sums[0] / sums[1].clamp_min(1))
+        self.last_seconds = time.perf_counter() - t0
+        return {"eval/loss": loss, "eval/ppl": math.exp(loss)}

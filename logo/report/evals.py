@@ -1,0 +1,110 @@
+"""Evaluation results (`<run_dir>/eval/<kind>.json`, written by the evaluation command) as flat report values.
+
+    perplexity: results {"dataset", "split", "seq_len", "tokens", "loss", "ppl", "buckets"} (or a list of them)
+                -> ppl/<dataset>, loss/<dataset>
+    ruler:      results {"scores": {task: {length: score}}, "average": {length: score}}
+                -> ruler/<length> (average over tasks), ruler/<task>/<length>, ruler_avg (mean over lengths)
+    lm_eval:    results {task: {metric: value}} (lm-eval's "metric,filter" keys accepted)
+                -> the paper's columns through LM_EVAL_COLUMNS, everything else as lm_eval/<task>/<metric>
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+# The paper's Table 2/3 columns from lm-eval-harness task/metric names: (column, task, metric, scale).
+# Accuracies are fractions in lm-eval and percentages in the paper (x100). HellaSwag and ARC-Challenge use the
+# length-normalized accuracy, the others plain accuracy (the paper does not say; this is the common choice).
+LM_EVAL_COLUMNS = (
+    ("wiki_ppl", "wikitext", "word_perplexity", 1.0),
+    ("lmb_ppl", "lambada_openai", "perplexity", 1.0),
+    ("lmb_acc", "lambada_openai", "acc", 100.0),
+    ("piqa", "piqa", "acc", 100.0),
+    ("hella", "hellaswag", "acc_norm", 100.0),
+    ("wino", "winogrande", "acc", 100.0),
+    ("arc_e", "arc_easy", "acc", 100.0),
+    ("arc_c", "arc_challenge", "acc_norm", 100.0),
+)
+CSR_COLUMNS = ("lmb_acc", "piqa", "hella", "wino", "arc_e", "arc_c")  # the paper's commonsense average
+
+
+def _num(v) -> Optional[float]:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(float(v)) else None
+
+
+def length_label(length) -> str:
+    """RULER length keys ("8192", 8192, "8k") as the paper writes them: 8k, 16k, 128k."""
+    try:
+        n = int(length)
+    except (TypeError, ValueError):
+        return str(length)
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def length_order(label: str) -> float:
+    try:
+        return float(label[:-1]) * 1024 if label.endswith("k") else float(label)
+    except ValueError:
+        return math.inf
+
+
+def perplexity_values(results) -> dict[str, float]:
+    out = {}
+    for r in results if isinstance(results, list) else [results]:
+        if not isinstance(r, dict):
+            continue
+        name = str(r.get("dataset") or "eval")
+        for k in ("ppl", "loss"):
+            v = _num(r.get(k))
+            if v is not None:
+                out[f"{k}/{name}"] = v
+    return out
+
+
+def ruler_values(results: dict) -> dict[str, float]:
+    out = {}
+    scores = results.get("scores") if isinstance(results, dict) else None
+    for task, by_len in (scores or {}).items():
+        for length, s in (by_len.items() if isinstance(by_len, dict) else ()):
+            v = _num(s)
+            if v is not None:
+                out[f"ruler/{task}/{length_label(length)}"] = v
+    avg = results.get("average") if isinstance(results, dict) else None
+    per_len = {length_label(k): _num(v) for k, v in (avg or {}).items()}
+    per_len = {k: v for k, v in per_len.items() if v is not None}
+    for k, v in per_len.items():
+        out[f"ruler/{k}"] = v
+    if per_len:
+        out["ruler_avg"] = sum(per_len.values()) / len(per_len)
+    return out
+
+
+def lm_eval_values(results: dict) -> dict[str, float]:
+    flat: dict[tuple[str, str], float] = {}
+    for task, metrics in (results.items() if isinstance(results, dict) else ()):
+        for name, value in (metrics.items() if isinstance(metrics, dict) else ()):
+            metric, _, filt = str(name).partition(",")
+            v = _num(value)
+            if v is None or metric.endswith("_stderr") or filt not in ("", "none"):
+                continue
+            flat[(task, metric)] = v
+    out = {}
+    for column, task, metric, scale in LM_EVAL_COLUMNS:
+        if (task, metric) in flat:
+            out[column] = scale * flat.pop((task, metric))
+    if all(c in out for c in CSR_COLUMNS):
+        out["csr_avg"] = sum(out[c] for c in CSR_COLUMNS) / len(CSR_COLUMNS)
+    for (task, metric), v in flat.items():
+        out[f"lm_eval/{task}/{metric}"] = v
+    return out
+
+
+def eval_values(evals: dict[str, dict]) -> dict[str, float]:
+    """All report values of one run's eval/*.json files."""
+    out = {}
+    readers = {"perplexity": perplexity_values, "ruler": ruler_values, "lm_eval": lm_eval_values}
+    for kind, data in evals.items():
+        out.update(readers[kind](data["results"]))
+    return out

@@ -1,0 +1,226 @@
+"""Write a Report into one folder: report.md (everything, readable), per-stage tables as Markdown / CSV / LaTeX,
+runs.csv, comparisons.csv, fits.csv, report.json and the PNG plots.
+
+The folder is assembled next to the target and swapped in at the end, so a reader never sees a half-written
+report; an existing folder is replaced only if it is a report folder (it holds report.json).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import pandas as pd
+
+from logo.report import plots
+from logo.report.layouts import full_table, main_table, ratio_table, ruler_task_table
+from logo.report.report import FIT_AXES, Report, ReportError
+from logo.report.values import fmt, metric
+
+
+def _md(df: pd.DataFrame) -> str:
+    return df.to_markdown(index=False, disable_numparse=True) if len(df) else "(none)"  # keep "2.100" as written
+
+
+def _num(v, digits=4) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:.{digits}g}"
+
+
+def _interval(iv, digits=4) -> str:
+    return f"[{_num(iv[0], digits)}, {_num(iv[1], digits)}]" if iv else "(no interval)"
+
+
+def comparisons_frame(rep: Report) -> pd.DataFrame:
+    rows = []
+    for c in rep.comparisons:
+        rows.append({"Stage": c.table, "Row": c.row, "Baseline": c.baseline, "Metric": metric(c.metric).label,
+                     "Row mean": fmt(c.metric, c.mean), "Baseline mean": fmt(c.metric, c.baseline_mean),
+                     "Diff": f"{c.diff:+.4g}", "n": f"{c.n} vs {c.baseline_n}",
+                     "Welch p": _num(c.p, 3), "Verdict": c.verdict})
+    return pd.DataFrame(rows)
+
+
+def fits_frame(rep: Report) -> pd.DataFrame:
+    rows = []
+    axis = dict(FIT_AXES)
+    for f in rep.fits:
+        row = {"Stage": f.stage, "Model": f.model, "x": axis[f.x_key]}
+        if f.fit is None:
+            row.update({"E": "–", "A": "–", "alpha": "–", "points": "–", "RMSE": "–", "note": f.error})
+        else:
+            law = f.fit.law
+            row.update({"E": f"{law.E:.4g} {_interval(f.fit.interval('E'))}",
+                        "A": f"{law.A:.4g} {_interval(f.fit.interval('A'))}",
+                        "alpha": f"{law.alpha:.4g} {_interval(f.fit.interval('alpha'))}",
+                        "points": str(len(f.fit.x)), "RMSE": f"{f.fit.rmse:.3g}",
+                        "note": _fit_note(f.fit)})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _fit_note(fit) -> str:
+    if not len(fit.boot):
+        return "exact fit: no residuals to resample"
+    note = f"{len(fit.boot)} bootstrap refits"
+    return note if fit.identified else note + "; not identified: the alpha interval reaches its bounds"
+
+
+def multipliers_frame(rep: Report) -> pd.DataFrame:
+    rows = []
+    for stage, model, base, m in rep.multipliers:
+        rows.append({"Stage": stage, "Model": model, "Baseline": base, "Baseline FLOPs": f"{m.x:.3g}",
+                     "Baseline loss (fit)": f"{m.loss:.4f}",
+                     "Model FLOPs for that loss": f"{m.x_other:.3g}" if math.isfinite(m.x_other) else "never",
+                     "Compute multiplier": f"{_num(m.value, 4)}x {_interval(m.interval, 3)}",
+                     "note": "extrapolated" if m.extrapolated else ""})
+    return pd.DataFrame(rows)
+
+
+def runs_frame(rep: Report) -> pd.DataFrame:
+    rows = []
+    for c in rep.ordered_cells:
+        for run, v in zip(c.runs, c.values):
+            rows.append({"run_dir": str(run.path), "stage": c.stage, "size": c.size, "model": c.name,
+                         "train_seed": run.seed[0], "data_seed": run.seed[1], "complete": run.complete, **v})
+    return pd.DataFrame(rows)
+
+
+def _header(rep: Report) -> str:
+    s = rep.settings
+    return "\n".join([
+        f"# Sweep report: {rep.layout.title}", "",
+        f"- family: {rep.family_note}",
+        f"- runs: {len(rep.used)} used in {len(rep.cells)} rows, {len(rep.skipped)} skipped (listed at the end)",
+        f"- train loss: mean of the logged training loss over the last {s.last_steps} optimizer steps of each run; "
+        f"realized global ratio: the budget reporting's window mean when logged, else the mean over the same steps",
+        "- cells: mean ± sample standard deviation over seeds (`n` = seeds); `–` = no run has the value",
+        f"- seed noise: a row's difference from its baseline row is tested with Welch's t-test (two-sided, "
+        f"alpha {s.alpha}); it needs >= 2 seeds on both sides",
+        f"- fits: {s.fit_metric} = E + A * x^-alpha per model (scipy curve_fit), {int(s.level * 100)}% percentile "
+        f"intervals from {s.n_boot} residual-bootstrap refits; training FLOPs = the plan's train FLOPs per token "
+        f"(6 N + attention) x tokens trained; GPU-hours = logged wall time x world size", ""])
+
+
+def report_markdown(rep: Report, files: list[str]) -> str:
+    parts = [_header(rep)]
+    for stage, cells in rep.tables:
+        parts += [f"## Stage {stage}", "", f"`table_{stage}.md` / `.csv` (every metric: mean, std, n) / `.tex`", "",
+                  _md(main_table(rep.layout, cells)), ""]
+        cmp = comparisons_frame(rep)
+        cmp = cmp[cmp["Stage"] == stage] if len(cmp) else cmp
+        if len(cmp):
+            parts += ["### Rows vs their baseline", "", _md(cmp.drop(columns="Stage")), ""]
+        ruler = ruler_task_table(cells)
+        if len(ruler):
+            parts += ["### RULER per task", "", _md(ruler), ""]
+    if rep.fits:
+        parts += ["## Scaling fits", "", _md(fits_frame(rep)), ""]
+    if rep.multipliers:
+        parts += ["### Compute multiplier", "",
+                  "How many times less training compute the model needs to reach the loss that the baseline's "
+                  "fitted curve has at the baseline's compute (> 1: the model needs less).", "",
+                  _md(multipliers_frame(rep)), ""]
+    ratios = ratio_table(rep.ordered_cells)
+    if len(ratios):
+        parts += ["## Realized global ratio per layer", "", _md(ratios), ""]
+    pngs = [f for f in files if f.endswith(".png")]
+    if pngs:
+        parts += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in pngs] + [""]
+    parts += ["## Runs", "", "```", *rep.used, *rep.skipped, "```", ""]
+    return "\n".join(parts)
+
+
+def report_json(rep: Report) -> dict:
+    return {
+        "family": rep.layout.family, "family_note": rep.family_note, "settings": asdict(rep.settings),
+        "used": rep.used, "skipped": rep.skipped,
+        "tables": {stage: full_table(rep.layout, cells).to_dict(orient="records") for stage, cells in rep.tables},
+        "comparisons": [asdict(c) for c in rep.comparisons],
+        "fits": [{"stage": f.stage, "model": f.model, "x": f.x_key, "error": f.error or None,
+                  **({"E": f.fit.law.E, "A": f.fit.law.A, "alpha": f.fit.law.alpha, "points": len(f.fit.x),
+                      "rmse": f.fit.rmse, "bootstrap": len(f.fit.boot), "identified": f.fit.identified,
+                      "intervals": {k: f.fit.interval(k) for k in ("E", "A", "alpha")}} if f.fit else {})}
+                 for f in rep.fits],
+        "multipliers": [{"stage": s, "model": m, "baseline": b, "x": mu.x, "loss": mu.loss,
+                         "x_model": mu.x_other if math.isfinite(mu.x_other) else None, "multiplier": mu.value,
+                         "interval": mu.interval, "extrapolated": mu.extrapolated}
+                        for s, m, b, mu in rep.multipliers],
+    }
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def _clean(o):
+    """NaN/inf -> None, so report.json is strict JSON."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def _plots(rep: Report, out: Path) -> list[str]:
+    fits = {(f.stage, f.model, f.x_key): f.fit for f in rep.fits if f.fit is not None}
+    names = []
+    multi = len(rep.tables) > 1
+    for stage, cells in rep.tables:
+        suffix = f"_{stage}" if multi else ""
+        for x_key, xlabel in FIT_AXES:
+            stem = "loss_vs_compute" if x_key == "train_flops" else "loss_vs_params"
+            f = {m: fits[(stage, m, x_key)] for (s, m, k) in fits if s == stage and k == x_key}
+            p = plots.loss_vs(cells, x_key, rep.settings.fit_metric, f, out / f"{stem}{suffix}.png", xlabel)
+            names += [p.name] if p else []
+    for p in (plots.ratio_per_layer(rep.ordered_cells, out / "ratio_per_layer.png"),
+              plots.loss_curves(rep.ordered_cells, out / "loss_curves.png")):
+        names += [p.name] if p else []
+    return names
+
+
+def write_report(rep: Report, out: Path) -> list[Path]:
+    """Write every file of the report into `out` (replaced as a whole); returns the written paths."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out} is a file; pass a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "report.json").is_file():
+        raise ReportError(f"--out {out} exists and is not a report folder (no report.json); pass a new or empty folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        files = _plots(rep, tmp)
+        for stage, cells in rep.tables:
+            (tmp / f"table_{stage}.md").write_text(_md(main_table(rep.layout, cells)) + "\n")
+            full_table(rep.layout, cells).to_csv(tmp / f"table_{stage}.csv", index=False)
+            main_table(rep.layout, cells, latex=True).to_latex(tmp / f"table_{stage}.tex", index=False, escape=False,
+                                                               caption=f"{rep.layout.title}; stage {stage}")
+            files += [f"table_{stage}.md", f"table_{stage}.csv", f"table_{stage}.tex"]
+        for name, df in (("runs.csv", runs_frame(rep)), ("comparisons.csv", comparisons_frame(rep)),
+                         ("fits.csv", fits_frame(rep)), ("multipliers.csv", multipliers_frame(rep))):
+            if len(df):
+                df.to_csv(tmp / name, index=False)
+                files.append(name)
+        (tmp / "report.json").write_text(json.dumps(_clean(report_json(rep)), indent=1, default=_json_default))
+        files.append("report.json")
+        (tmp / "report.md").write_text(report_markdown(rep, files))
+        files.insert(0, "report.md")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [out / f for f in files]

@@ -1,0 +1,194 @@
+"""One optimizer step of the training loop, with no host synchronization (lingua / torchtitan style).
+
+`train_step` runs a step's micro-batches (forward, loss, backward, LoGo routing counts) and returns device
+tensors; `optimizer_step` applies the update on the device unless the step's loss or gradient norm is not
+finite: fused AdamW's `found_inf` skips the update inside the kernel (parameters, moments and step count
+unchanged), the LoGo thresholds are put back, and `DivergenceMonitor` remembers the first such step. The loop
+reads these tensors on the host only at logging and checkpoint steps (`read_back`), where
+`DivergenceMonitor.check` raises `TrainingDiverged` naming that step.
+
+Every phase is a `torch.profiler.record_function` range named `logo/<phase>` (benchmarks/profile_step.py
+attributes GPU time and host syncs to them); outside a profiler a range costs about a microsecond.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from data.loader import IGNORE_INDEX, Batch, StepData
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def phase(name: str):
+    """A named range in profiler traces: `logo/<name>`."""
+    return torch.profiler.record_function(f"logo/{name}")
+
+
+@dataclass
+class StepOutput:
+    loss_sum: torch.Tensor  # () fp32: LM loss summed over the valid targets of the global batch (all ranks)
+    n_tokens: torch.Tensor  # () fp32: valid targets of the global batch
+    grad_norm: torch.Tensor  # () fp32: total gradient norm before clipping (all ranks)
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.loss_sum / self.n_tokens
+
+    def nonfinite(self) -> torch.Tensor:
+        """() bool: the loss or the gradient norm is NaN/inf (equal on every rank: both are global)."""
+        return ~(torch.isfinite(self.loss_sum) & torch.isfinite(self.grad_norm))
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """() fp32: cross-entropy summed over the targets that are not IGNORE_INDEX. logits (B, T, V), labels (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast):
+    """Forward of one micro-batch (on the device) -> (LM loss summed over the valid targets, () fp32; model
+    output). The one place the loss is computed: a fused linear + cross-entropy passes `labels=mb.labels` to
+    the model and returns its summed loss here instead of `lm_loss_sum(...)`; nothing else changes."""
+    with autocast:
+        out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid)
+    return lm_loss_sum(out.logits, mb.labels), out
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, autocast, ctrl, grad_clip: float,
+               world: int, sharded: bool) -> StepOutput:
+    """Forward and backward of this rank's micro-batches, gradient clipping; no host sync.
+
+    The gradient is the token mean over the global batch for any split: FSDP averages gradients over ranks,
+    so each rank's loss is scaled by the number of ranks (`dp`) and divided by the global target count, which
+    the loader knows on the host (`data.target_tokens`); the aux loss is the mean over all micro-batches.
+    """
+    from torchtitan.distributed.utils import clip_grad_norm_
+    micro = data.micro_batches
+    dp = world if sharded else 1
+    n_micro = len(micro) * world
+    loss_sum = torch.zeros((), device=device)
+    for i, cpu_mb in enumerate(micro):
+        with phase("h2d"):
+            mb = cpu_mb.to(device)  # non-blocking; a true async copy from the loader's pinned memory
+        if sharded:
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+        with phase("forward"):
+            ce, out = micro_batch_loss(model, mb, autocast)
+        with phase("backward"):
+            (dp * (ce / data.target_tokens + out.aux_loss / n_micro)).backward()
+        loss_sum += ce.detach()
+        ctrl.accumulate(out.routing)
+    with phase("clip"):
+        grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
+        loss_sum = _all_reduce_sum(loss_sum)
+    return StepOutput(loss_sum, torch.full((), float(data.target_tokens), device=device), grad_norm)
+
+
+class DivergenceMonitor:
+    """The first step whose loss or gradient norm was not finite, with both values; kept on the device."""
+
+    def __init__(self, device: torch.device):
+        self.state = torch.zeros(3, dtype=torch.float64, device=device)  # [step (0: none), loss, grad norm]
+
+    def record(self, step: int, bad: torch.Tensor, out: StepOutput) -> None:
+        first = bad & (self.state[0] == 0)
+        now = torch.stack((out.loss_sum.new_full((), step, dtype=torch.float64), out.loss.double(),
+                           out.grad_norm.double()))
+        self.state.copy_(torch.where(first, now, self.state))
+
+    @staticmethod
+    def check(state: list[float], last_good: Callable[[], object]) -> None:
+        """Raise TrainingDiverged if a step diverged; `state` is `self.state` read on the host, `last_good()` the
+        latest checkpoint (asked only then)."""
+        step, loss, gnorm = state
+        if step:
+            raise TrainingDiverged(
+                f"training diverged at step {int(step)}: loss {loss:.6g}, grad norm {gnorm:.6g} (not finite); its "
+                f"update and any later one were skipped, so the weights are those of step {int(step) - 1}. Last "
+                f"good checkpoint: {last_good() or 'none'}. Lower stage.lr or check the data, then re-run.")
+
+
+def _controller_step(ctrl, skip: torch.Tensor) -> None:
+    """ctrl.step(), with every threshold put back (on the device) when `skip`."""
+    ths = [layer.threshold for layer in ctrl.layers]
+    before = torch._foreach_mul(ths, 1.0) if ths else []
+    ctrl.step()
+    if ths:
+        keep = skip.to(ths[0].dtype)
+        torch._foreach_lerp_(ths, before, [keep] * len(ths))  # lerp(a, b, 1) == b and lerp(a, b, 0) == a exactly
+
+
+def optimizer_step(opt: torch.optim.Optimizer, sched, ctrl, out: StepOutput, monitor: DivergenceMonitor,
+                   step: int) -> None:
+    """The update of optimizer step `step` (1-based), skipped on the device when the step is not finite."""
+    bad = out.nonfinite()
+    opt.found_inf = bad.float()  # fused AdamW: no update, no step count when 1 (read in the kernel, no sync)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    with phase("controller"):
+        _controller_step(ctrl, bad)
+    monitor.record(step, bad, out)
+
+
+def read_back(out: StepOutput, monitor: DivergenceMonitor) -> tuple[float, float, list[float]]:
+    """(loss, grad norm, divergence state) on the host: one host sync."""
+    vals = torch.cat((out.loss.double().reshape(1), out.grad_norm.double().reshape(1), monitor.state)).tolist()
+    return vals[0], vals[1], vals[2:]
+
+
+class StepTimer:
+    """Wall time of each step on the device's timeline: CUDA events at step boundaries (no sync), or the host
+    clock on CPU. `durations()` is called after a host sync, when the events are complete."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.restart()
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def restart(self) -> None:
+        """Forget the unlogged steps (e.g. after a checkpoint save, whose time is not a step's)."""
+        self.marks = [self._now()]
+
+    def mark(self) -> None:
+        """End of a step."""
+        self.marks.append(self._now())
+
+    def durations(self) -> list[float]:
+        """Seconds of each step marked since the last call."""
+        a, b = self.marks[:-1], self.marks[1:]
+        out = [x.elapsed_time(y) / 1e3 for x, y in zip(a, b)] if self.cuda else [y - x for x, y in zip(a, b)]
+        self.marks = self.marks[-1:]
+        return out
+
+
+def spread(durations: list[float]) -> dict[str, float]:
+    """Step-time figures of a logging interval (seconds)."""
+    if not durations:
+        return {}
+    return {"step_time_s": sum(durations) / len(durations), "step_time_min_s": min(durations),
+            "step_time_max_s": max(durations)}
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, betas, eps: float, weight_decay: float):
+    """AdamW, fused (CPU and CUDA): needed for the on-device skip of non-finite steps (`found_inf`)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
