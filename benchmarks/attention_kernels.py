@@ -11,8 +11,8 @@ fwd; query-sparse rows count only the selected rows' causal work, sliding window
 
 Rows: dense cuDNN / FlashAttention-2 SDPA, dense FLA `parallel_attn` (when fla-core is importable), flex
 attention with compacted queries (block mask cached), flex and FLA sliding window; ours: query-sparse at
-rho = 0.25/0.5/0.75/1.0 (random selection), sliding window, dense causal, the routing + compaction alone,
-and the whole LoGo attention of one layer (gate, routing, compaction, branch transforms, RoPE, local and
+rho = 0.25/0.5/0.75/1.0 (random selection), sliding window, dense causal, the routing + partition alone,
+and the whole LoGo attention of one layer (gate, routing, partition, branch transforms, RoPE, local and
 global branches, ContextNorm and fusion) next to RoPE + dense cuDNN attention.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from logo.kernels import ops  # noqa: E402
 from logo.kernels.triton import _attn  # noqa: E402
 
 B, H, D = 1, 8, 128
@@ -96,6 +97,26 @@ def selection(T, rho, seed=0):
     return torch.randperm(T, device="cuda", generator=g)[:n].sort().values
 
 
+def static_selection(T, rho, seed=0):
+    """The model's static-shape form of `selection`: rows (T,) int32 (selected first), every row's position
+    (T,) int32 and cu_seqlens_q (2,) int32 for one sequence."""
+    from logo.model.layers import PackedSeqs
+    from logo.model.routing import partition
+    z = torch.zeros(T, dtype=torch.bool, device="cuda")
+    z[selection(T, rho, seed)] = True
+    seqs = PackedSeqs.build(1, T, "cuda")
+    sel = partition(z, seqs)
+    return sel.rows, seqs.pos, sel.cu_seqlens_q
+
+
+def qsparse_op(rows, pos, cu_q, cu):
+    return lambda a, b, c: ops.query_sparse_attention(a, b, c, pos, rows, cu_q, cu, use_triton=True)
+
+
+def window_op(cu, window):
+    return lambda a, b, c: ops.sliding_window_attention(a, b, c, cu, window, use_triton=True)
+
+
 def ceilings():
     """Measured device ceilings: copy bandwidth (read + write) and a large bf16 matmul."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -157,38 +178,34 @@ def ours(T, rhos, window):
     q, k, v = packed_qkv(T)
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     tensor_bytes = B * T * H * D * 2
-    for rho in rhos:
-        pos = selection(T, rho).to(torch.int32)
-        qs = q.detach()[pos.long()].contiguous().requires_grad_()
-        cu_q = torch.tensor([0, pos.numel()], dtype=torch.int32, device="cuda")
-        record(f"qsparse ours rho={rho}", T,
-               fwd_bwd(lambda a, b, c: _attn.query_sparse_attention(a, b, c, pos, cu_q, cu), qs, k, v),
-               flops_rows(pos), rho=rho)
-    record(f"local ours w{window}", T, fwd_bwd(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, window),
-                                                q, k, v), flops_window(T, window), bytes_=12 * tensor_bytes)
-    record("dense causal ours", T, fwd_bwd(lambda a, b, c: _attn.causal_attention(a, b, c, cu), q, k, v),
+    for rho in rhos:  # static shapes: q, o, dq over all T rows, the kernels read the selected rows
+        rows, pos, cu_q = static_selection(T, rho)
+        record(f"qsparse ours rho={rho}", T, fwd_bwd(qsparse_op(rows, pos, cu_q, cu), q, k, v),
+               flops_rows(selection(T, rho)), rho=rho)
+    record(f"local ours w{window}", T, fwd_bwd(window_op(cu, window), q, k, v), flops_window(T, window),
+           bytes_=12 * tensor_bytes)
+    record("dense causal ours", T, fwd_bwd(lambda a, b, c: ops.causal_attention(a, b, c, cu, use_triton=True), q, k, v),
            flops_causal(T), rho=1.0)
     del q, k, v
 
 
 def routing_cost(T):
-    """Gate routing + compaction (+ gathering the selected global queries), as the model does it."""
+    """Gate routing + the static partition of the rows (selected first), as the model does it (no host sync)."""
     from logo.model.layers import PackedSeqs
-    from logo.model.routing import compact, route
+    from logo.model.routing import partition, route
     seqs = PackedSeqs.build(B, T, "cuda")
     p = torch.rand(B * T, device="cuda")
     th = torch.full((1,), 0.5, device="cuda")
-    qg = torch.randn(B * T, H, D, device="cuda", dtype=DT)
 
     def run():
-        sel = compact(route(p, th, seqs), seqs)
-        return qg[sel.index]
-    record("routing+compaction+gather", T, run)
+        return partition(route(p, th, seqs), seqs).rows
+    record("routing+partition", T, run)
 
 
 def logo_layer(T, window, out: Path, profile_it: bool):
     """The LoGo attention of one layer (everything between the shared W_q/W_k/W_v projections and W_o: gate,
-    routing, compaction, LP transforms, RoPE, both branches, ContextNorm, fusion) vs RoPE + dense cuDNN."""
+    routing, partition, LP transforms, RoPE, both branches, ContextNorm, fusion) vs RoPE + dense cuDNN; eager,
+    and compiled with fullgraph=True (the custom ops inside one graph)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from logo.config import AttentionConfig, ModelConfig
@@ -211,8 +228,8 @@ def logo_layer(T, window, out: Path, profile_it: bool):
         ratio = float(layer.branches(x, q, k, v, cos, sin, seqs)[2].float().mean())
     run = fwd_bwd(logo_fn, x, q, k, v)
     record(f"LoGo layer (rho~{ratio:.2f}, w{window})", T, run, rho=ratio)
-    compiled = torch.compile(layer.branches)  # the glue (RoPE, norms, fusion) fused by Inductor
-    record(f"LoGo layer, torch.compile glue", T,
+    compiled = torch.compile(layer.branches, fullgraph=True)  # glue fused by Inductor around the custom ops
+    record(f"LoGo layer, torch.compile fullgraph", T,
            fwd_bwd(lambda x, q, k, v: compiled(x, q, k, v, cos, sin, seqs)[0], x, q, k, v), rho=ratio)
 
     def dense(q, k, v):
@@ -275,14 +292,11 @@ def sweep(T, window, sweep_filter=()):
     the backward rows time the whole backward (delta + dQ + dK/dV)."""
     q, k, v = packed_qkv(T)
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-    pos = selection(T, 0.5).to(torch.int32)
-    cu_q = torch.tensor([0, pos.numel()], dtype=torch.int32, device="cuda")
-    qs = q.detach()[pos.long()].contiguous()
-    kd, vd = k.detach(), v.detach()
+    rows, pos, cu_q = static_selection(T, 0.5)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
     scale = 1 / math.sqrt(D)
-    for kind, (qq, qp, cq, w, dense) in {"global": (qs, pos, cu_q, 0, False),
-                                         "window": (q.detach(), cu, cu, window, True)}.items():
-        o, lse = _attn.attn_forward(qq, kd, vd, qp, cq, cu, scale, w, dense)
+    for kind, (qp, rw, cq, w) in {"global": (pos, rows, cu_q, 0), "window": (None, None, cu, window)}.items():
+        o, lse = _attn.attn_forward(qd, kd, vd, qp, rw, cq, cu, scale, w)
         do = torch.randn_like(o)
         for label, override, part in _sweep_configs(kind):
             if sweep_filter and not any(f in f"{kind} {label}" for f in sweep_filter):
@@ -290,9 +304,9 @@ def sweep(T, window, sweep_filter=()):
             _attn.CONFIG_OVERRIDE.clear()
             _attn.CONFIG_OVERRIDE[(kind, D, DT)] = override
             if part == "fwd":
-                fn = (lambda: _attn.attn_forward(qq, kd, vd, qp, cq, cu, scale, w, dense))
+                fn = (lambda: _attn.attn_forward(qd, kd, vd, qp, rw, cq, cu, scale, w))
             else:
-                fn = (lambda: _attn.attn_backward(do, qq, kd, vd, o, lse, qp, cq, cu, scale, w, dense))
+                fn = (lambda: _attn.attn_backward(do, qd, kd, vd, o, lse, qp, rw, cq, cu, scale, w))
             record(f"sweep {kind} {label}", T, fn, extra=dict(kind=kind, part=part, override=str(override)))
     _attn.CONFIG_OVERRIDE.clear()
 
@@ -302,11 +316,9 @@ def profile(T, window, out: Path):
     shows what the wall time is made of (kernels vs gaps)."""
     q, k, v = packed_qkv(T)
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-    pos = selection(T, 0.5).to(torch.int32)
-    cu_q = torch.tensor([0, pos.numel()], dtype=torch.int32, device="cuda")
-    qs = q.detach()[pos.long()].contiguous().requires_grad_()
-    cases = {"qsparse rho=0.5": fwd_bwd(lambda a, b, c: _attn.query_sparse_attention(a, b, c, pos, cu_q, cu), qs, k, v),
-             f"local w{window}": fwd_bwd(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, window), q, k, v)}
+    rows, pos, cu_q = static_selection(T, 0.5)
+    cases = {"qsparse rho=0.5": fwd_bwd(qsparse_op(rows, pos, cu_q, cu), q, k, v),
+             f"local w{window}": fwd_bwd(window_op(cu, window), q, k, v)}
     for name, fn in cases.items():
         profile_table(fn, f"{name} T={T}", out / f"profile_{name.split()[0]}_{T}.txt")
 

@@ -28,7 +28,8 @@ def naive_attention(q, k, v, q_pos, cu_q, cu_k, window=None):
 
 
 def make_selection(cu_k, frac, gen):
-    """Random selection of rows at fraction frac: returns index (Nq,), q_pos (Nq,) int32, cu_q (B+1,) int32."""
+    """Random selection of rows at fraction frac: returns index (Nq,), rows (N,) int32 (selected first), every
+    row's position (N,) int32, cu_q (B+1,) int32."""
     n = int(cu_k[-1])
     if frac == "one":
         sel = torch.zeros(n, dtype=torch.bool)
@@ -36,11 +37,12 @@ def make_selection(cu_k, frac, gen):
     else:
         sel = torch.rand(n, generator=gen) < frac
     idx = sel.nonzero().squeeze(1)
+    rows = torch.cat([idx, (~sel).nonzero().squeeze(1)]).to(torch.int32)
     pos = R.positions_in_sequence(cu_k, n)
     seq = torch.searchsorted(cu_k[1:].long(), torch.arange(n), right=True)
     cu_q = torch.zeros(len(cu_k), dtype=torch.int32)
     cu_q[1:] = torch.bincount(seq[idx], minlength=len(cu_k) - 1).cumsum(0)
-    return idx, pos[idx], cu_q
+    return idx, rows, pos, cu_q
 
 
 LAYOUTS = {
@@ -61,16 +63,17 @@ def test_query_sparse_matches_naive_float64(layout, frac, small_blocks, monkeypa
     cu_k = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     n, H, D = int(cu_k[-1]), 3, 16
     qa, k, v = (torch.randn(n, H, D, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(3))
-    idx, q_pos, cu_q = make_selection(cu_k, frac, gen)
-    o = R.query_sparse_attention(qa[idx], k, v, q_pos, cu_q, cu_k)
-    o_ref = naive_attention(qa[idx], k, v, q_pos, cu_q, cu_k)
-    assert o.shape == (len(idx), H, D)
-    torch.testing.assert_close(o, o_ref, atol=1e-10, rtol=0)
+    idx, rows, pos, cu_q = make_selection(cu_k, frac, gen)
+    o = R.query_sparse_attention(qa, k, v, pos, rows, cu_q, cu_k)
+    o_ref = naive_attention(qa[idx], k, v, pos[idx], cu_q, cu_k)
+    assert o.shape == (n, H, D)
+    torch.testing.assert_close(o[idx], o_ref, atol=1e-10, rtol=0)
+    assert not o[rows[len(idx):].long()].any()  # unselected rows: zero
     if len(idx) == 0:
         return
     g = torch.randn(o.shape, dtype=torch.float64, generator=gen)
     got = torch.autograd.grad(o, (qa, k, v), g)
-    want = torch.autograd.grad(o_ref, (qa, k, v), g)
+    want = torch.autograd.grad(o_ref, (qa, k, v), g[idx])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     # unselected query rows get exactly zero gradient
@@ -105,7 +108,7 @@ def test_low_precision_inputs(dtype, tol):
     cu = torch.tensor([0, 70, 160], dtype=torch.int32)
     q, k, v = (torch.randn(160, 4, 32, generator=gen) for _ in range(3))
     pos = R.positions_in_sequence(cu, 160)
-    o = R.query_sparse_attention(q.to(dtype), k.to(dtype), v.to(dtype), pos, cu, cu)
+    o = R.causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), cu)
     assert o.dtype == dtype
     o_ref = naive_attention(*(t.to(dtype).double() for t in (q, k, v)), pos, cu, cu)
     err = (o.double() - o_ref).norm() / o_ref.norm()
@@ -129,8 +132,11 @@ def test_chunk_plan_is_memory_bounded_at_8k():
 def test_bad_inputs_raise_clear_errors():
     q = torch.randn(5, 2, 8)
     cu = torch.tensor([0, 5], dtype=torch.int32)
+    rows = torch.arange(5, dtype=torch.int32)
     with pytest.raises(ValueError, match="q_pos"):
-        R.query_sparse_attention(q, q, q, torch.tensor([0, 1, 2, 3, 9], dtype=torch.int32), cu, cu)
+        R.query_sparse_attention(q, q, q, rows[:3], rows, cu, cu)
+    with pytest.raises(ValueError, match="permutation"):
+        R.query_sparse_attention(q, q, q, rows, torch.zeros(5, dtype=torch.int32), cu, cu)
     with pytest.raises(ValueError, match="window"):
         R.sliding_window_attention(q, q, q, cu, 0)
     with pytest.raises(ValueError, match="cu_seqlens"):

@@ -8,7 +8,9 @@ Tolerances (||out - ref|| <= rtol * ||ref|| + atol * sqrt(numel), reference in f
 - bfloat16 / float16 inputs: rtol 2e-2. Inputs are rounded to 16 bits for both sides; the kernel also
   rounds the probabilities P and dS to 16 bits before the P@V, dS@K, dS^T@Q products (as FlashAttention
   does), which gives relative errors of about 4e-3 on outputs and 6e-3 to 1e-2 on gradients.
-Every output buffer is poisoned with NaN before each run, so an unwritten row fails the comparison.
+Every output buffer is poisoned with NaN before each run, so an unwritten row fails the comparison. The kernels
+go through the custom ops (`logo.kernels.ops`, use_triton=True) as the model calls them; the reference is the
+plain-autograd `logo.kernels.reference` on the same static-shape contract.
 """
 import math
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from logo.kernels import ops
 from logo.kernels import reference as ref
 from logo.kernels.triton import _attn
 
@@ -56,7 +59,8 @@ def packed(lengths, H, D, dtype, seed):
 
 
 def select(lengths, mode, seed):
-    """Selected rows of the packed batch (ascending), their positions and cu_seqlens_q."""
+    """The static-shape selection: rows (N,) int32, selected first (ascending), then the others; every row's
+    position q_pos (N,) int32; cu_seqlens_q (S+1,) int32 over the selected slots."""
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -75,10 +79,27 @@ def select(lengths, mode, seed):
     else:
         raise ValueError(mode)
     idx = torch.nonzero(mask).squeeze(1)
-    q_pos = (idx - starts[seq[idx]]).to(torch.int32)
+    rows = torch.cat([idx, torch.nonzero(~mask).squeeze(1)]).to(torch.int32)
+    q_pos = (torch.arange(n) - starts[seq]).to(torch.int32)
     cu_q = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_q[1:] = torch.bincount(seq[idx], minlength=len(lengths)).cumsum(0)
-    return idx.to(DEVICE), q_pos.to(DEVICE), cu_q.to(DEVICE)
+    return rows.to(DEVICE), q_pos.to(DEVICE), cu_q.to(DEVICE)
+
+
+def qsparse(rows, q_pos, cu_q, cu):
+    """(kernel, reference) query-sparse functions of q, k, v for one selection."""
+    return (lambda a, b, c: ops.query_sparse_attention(a, b, c, q_pos, rows, cu_q, cu, use_triton=True),
+            lambda a, b, c: ref.query_sparse_attention(a, b, c, q_pos, rows, cu_q, cu))
+
+
+def window_fns(cu, window):
+    return (lambda a, b, c: ops.sliding_window_attention(a, b, c, cu, window, use_triton=True),
+            lambda a, b, c: ref.sliding_window_attention(a, b, c, cu, window))
+
+
+def causal_fns(cu):
+    return (lambda a, b, c: ops.causal_attention(a, b, c, cu, use_triton=True),
+            lambda a, b, c: ref.causal_attention(a, b, c, cu))
 
 
 def run_both(kernel_fn, ref_fn, inputs, dtype, seed):
@@ -106,18 +127,12 @@ def test_query_sparse_matches_reference(layout, mode, dtype):
     lengths = LENGTHS[layout]
     D = HEAD_DIMS[len(lengths) % 2]
     (q, k, v), cu = packed(lengths, 2, D, dtype, seed=len(lengths))
-    idx, q_pos, cu_q = select(lengths, mode, seed=3)
-    qs = q[idx]
-
-    def kern(a, b, c):
-        return _attn.query_sparse_attention(a, b, c, q_pos, cu_q, cu)
-
-    def refn(a, b, c):
-        return ref.query_sparse_attention(a, b, c, q_pos, cu_q, cu)
-
-    out, grads, want, wgrads = run_both(kern, refn, [qs, k, v], dtype, seed=11)
-    assert out.shape == (idx.numel(), 2, D) and out.dtype == dtype
+    rows, q_pos, cu_q = select(lengths, mode, seed=3)
+    out, grads, want, wgrads = run_both(*qsparse(rows, q_pos, cu_q, cu), [q, k, v], dtype, seed=11)
+    assert out.shape == q.shape and out.dtype == dtype
     check_all(out, grads, want, wgrads, dtype, f"query_sparse[{mode}]")
+    unselected = rows[int(cu_q[-1]):].long()
+    assert not out[unselected].any() and not grads[0][unselected].any()  # exact zeros off the selection
     if mode == "none":  # no selected row: no gradient reaches keys or values
         assert grads[1].abs().max() == 0 and grads[2].abs().max() == 0
 
@@ -131,9 +146,7 @@ def test_sliding_window_matches_reference(layout, window, dtype):
     lengths = LENGTHS[layout]
     D = HEAD_DIMS[window % 2]
     (q, k, v), cu = packed(lengths, 2, D, dtype, seed=window)
-    out, grads, want, wgrads = run_both(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, window),
-                                        lambda a, b, c: ref.sliding_window_attention(a, b, c, cu, window),
-                                        [q, k, v], dtype, seed=5)
+    out, grads, want, wgrads = run_both(*window_fns(cu, window), [q, k, v], dtype, seed=5)
     check_all(out, grads, want, wgrads, dtype, f"sliding_window[w={window}]")
 
 
@@ -142,10 +155,7 @@ def test_sliding_window_matches_reference(layout, window, dtype):
 def test_causal_matches_reference(layout, dtype):
     lengths = LENGTHS[layout]
     (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[0], dtype, seed=2)
-    pos = ref.positions_in_sequence(cu, q.shape[0])
-    out, grads, want, wgrads = run_both(lambda a, b, c: _attn.causal_attention(a, b, c, cu),
-                                        lambda a, b, c: ref.query_sparse_attention(a, b, c, pos, cu, cu),
-                                        [q, k, v], dtype, seed=9)
+    out, grads, want, wgrads = run_both(*causal_fns(cu), [q, k, v], dtype, seed=9)
     check_all(out, grads, want, wgrads, dtype, "causal")
 
 
@@ -164,17 +174,13 @@ def test_atomic_dq_backward_matches_reference(case, dtype, atomic_dq):
     lengths = LENGTHS["with_len1"]
     (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[1], dtype, seed=21)
     if case.startswith("window"):
-        w = int(case.removeprefix("window"))
-        res = run_both(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, w),
-                       lambda a, b, c: ref.sliding_window_attention(a, b, c, cu, w), [q, k, v], dtype, 3)
+        fns = window_fns(cu, int(case.removeprefix("window")))
     elif case == "causal":
-        pos = ref.positions_in_sequence(cu, q.shape[0])
-        res = run_both(lambda a, b, c: _attn.causal_attention(a, b, c, cu),
-                       lambda a, b, c: ref.query_sparse_attention(a, b, c, pos, cu, cu), [q, k, v], dtype, 3)
+        fns = causal_fns(cu)
     else:
-        idx, q_pos, cu_q = select(lengths, case, seed=8)
-        res = run_both(lambda a, b, c: _attn.query_sparse_attention(a, b, c, q_pos, cu_q, cu),
-                       lambda a, b, c: ref.query_sparse_attention(a, b, c, q_pos, cu_q, cu), [q[idx], k, v], dtype, 3)
+        rows, q_pos, cu_q = select(lengths, case, seed=8)
+        fns = qsparse(rows, q_pos, cu_q, cu)
+    res = run_both(*fns, [q, k, v], dtype, 3)
     check_all(*res, dtype, f"atomic dQ [{case}]")
 
 
@@ -183,17 +189,21 @@ def test_log_sum_exp_matches_dense(window):
     """The forward's base-2 log-sum-exp (kept for the backward) equals a dense float64 logsumexp."""
     lengths = LENGTHS["docs"]
     (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[0], torch.float32, seed=4)
-    idx, q_pos, cu_q = select(lengths, "random", seed=4)
-    if window:
-        idx = torch.arange(q.shape[0], device=DEVICE)
-        q_pos, cu_q = ref.positions_in_sequence(cu, q.shape[0]), cu
+    rows, q_pos, cu_q = select(lengths, "random", seed=4)
     scale = 1 / math.sqrt(q.shape[-1])
-    _, lse2 = _attn.attn_forward(q[idx].contiguous(), k, v, q_pos, cu_q, cu, scale, window, bool(window))
+    if window:
+        rows, cu_q = None, cu
+        _, lse2 = _attn.attn_forward(q, k, v, None, None, cu, cu, scale, window)
+        q_pos, idx = ref.positions_in_sequence(cu, q.shape[0]), torch.arange(q.shape[0], device=DEVICE)
+    else:
+        _, lse2 = _attn.attn_forward(q, k, v, q_pos, rows, cu_q, cu, scale, window)
+        idx = rows[:int(cu_q[-1])].long()
+        assert not lse2[:, idx.numel():].any()  # dead slots: zero
     seq = torch.searchsorted(cu_q[1:].long(), torch.arange(idx.numel(), device=DEVICE), right=True)
     for i in range(idx.numel()):
-        k0 = int(cu[seq[i]])
-        lo = max(0, int(q_pos[i]) - window + 1) if window else 0
-        keys = k[k0 + lo:k0 + int(q_pos[i]) + 1].double()  # (n, H, D)
+        k0, p = int(cu[seq[i]]), int(q_pos[idx[i]])
+        lo = max(0, p - window + 1) if window else 0
+        keys = k[k0 + lo:k0 + p + 1].double()  # (n, H, D)
         s = torch.einsum("hd,nhd->hn", q[idx[i]].double(), keys) * scale
         torch.testing.assert_close(lse2[:, i].double() * math.log(2), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
 
@@ -201,13 +211,16 @@ def test_log_sum_exp_matches_dense(window):
 def test_bad_inputs_are_named():
     (q, k, v), cu = packed([8], 1, HEAD_DIMS[0], torch.float32, seed=0)
     with pytest.raises(ValueError, match="head dims"):
-        _attn.sliding_window_attention(q[..., :12], k[..., :12], v[..., :12], cu, 4)
+        ops.sliding_window_attention(q[..., :12], k[..., :12], v[..., :12], cu, 4, use_triton=True)
     with pytest.raises(ValueError, match="window"):
-        _attn.sliding_window_attention(q, k, v, cu, 0)
+        ops.sliding_window_attention(q, k, v, cu, 0, use_triton=True)
     with pytest.raises(ValueError, match="share one of"):
-        _attn.sliding_window_attention(q.double(), k.double(), v.double(), cu, 4)
+        ops.sliding_window_attention(q.double(), k.double(), v.double(), cu, 4, use_triton=True)
+    rows = torch.arange(8, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="q_pos"):
-        _attn.query_sparse_attention(q, k, v, torch.zeros(3, dtype=torch.int32, device=DEVICE), cu, cu)
+        ops.query_sparse_attention(q, k, v, rows[:3], rows, cu, cu, use_triton=True)
+    with pytest.raises(ValueError, match="rows"):
+        ops.query_sparse_attention(q, k, v, rows, rows[:5], cu, cu, use_triton=True)
 
 
 def test_logo_layer_triton_equals_reference():
@@ -245,12 +258,11 @@ def test_full_size_on_gpu(dtype, D, dq_mode, monkeypatch):
     monkeypatch.setattr(_attn, "CONFIG_OVERRIDE", {("global",): {"dq_mode": dq_mode}, ("window",): {"dq_mode": dq_mode}})
     lengths = [3001, 5191]  # 8k tokens in two documents
     (q, k, v), cu = packed(lengths, 4, D, dtype, seed=D)
-    idx, q_pos, cu_q = select(lengths, "random", seed=D)
-    res = run_both(lambda a, b, c: _attn.query_sparse_attention(a, b, c, q_pos, cu_q, cu),
-                   lambda a, b, c: ref.query_sparse_attention(a, b, c, q_pos, cu_q, cu), [q[idx], k, v], dtype, 1)
-    check_all(*res, dtype, "query_sparse 8k")
-    res = run_both(lambda a, b, c: _attn.sliding_window_attention(a, b, c, cu, 128),
-                   lambda a, b, c: ref.sliding_window_attention(a, b, c, cu, 128), [q, k, v], dtype, 2)
+    for mode in ("random", "skip_a_seq", "one", "none"):
+        rows, q_pos, cu_q = select(lengths, mode, seed=D)
+        res = run_both(*qsparse(rows, q_pos, cu_q, cu), [q, k, v], dtype, 1)
+        check_all(*res, dtype, f"query_sparse 8k [{mode}]")
+    res = run_both(*window_fns(cu, 128), [q, k, v], dtype, 2)
     check_all(*res, dtype, "sliding_window 8k")
 
 

@@ -1,11 +1,14 @@
-"""Pure-PyTorch reference of the two attention ops LoGo needs (the CPU path and the kernels' test oracle).
+"""Pure-PyTorch reference of the attention ops LoGo needs (the CPU path and the kernels' test oracle).
 
-Varlen contract (shared with `logo.kernels.triton`):
+Static-shape contract (shared with `logo.kernels.triton` and the custom ops in `logo.kernels.ops`):
 
-- ``query_sparse_attention(q, k, v, q_pos, cu_seqlens_q, cu_seqlens_k, scale=None) -> o``
-  q (Nq, H, D): the selected queries of all sequences, packed in sequence order; k, v (Nk, H, D): every
-  key/value, packed; q_pos (Nq,) int32: each query's position inside its sequence; cu_seqlens_q,
-  cu_seqlens_k (B+1,) int32 offsets. Query i of sequence b attends keys 0..q_pos[i] of sequence b.
+- ``query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale=None) -> o (N, H, D)``
+  q (N, H, D): a query for every packed row (only selected rows are read); k, v (Nk, H, D): every key/value,
+  packed; q_pos (N,) int32: each row's position inside its sequence; rows (N,) int32: a permutation of the
+  rows, the selected ones first, in sequence then position order (slot i < n_sel holds a selected row);
+  cu_seqlens_q (S+1,) int32: offsets of each sequence's selected rows among the slots (its last entry is
+  n_sel, which stays on the device); cu_seqlens_k (S+1,) int32 offsets of the keys. A selected row r of
+  sequence b attends keys 0..q_pos[r] of sequence b; unselected rows of o are zero.
 - ``sliding_window_attention(q, k, v, cu_seqlens, window, scale=None) -> o``: (N, H, D) packed; token t
   attends keys max(0, t-window+1)..t of its own sequence.
 
@@ -13,6 +16,8 @@ Both are exact softmax attention. They run over query chunks with an online-soft
 (forward keeps only o and the log-sum-exp; backward recomputes the probabilities chunk by chunk), so
 memory stays O(chunk x keys-in-reach) rather than O(T^2) per head, and they are differentiable in q, k, v.
 Computation happens in float32 (float64 inputs stay float64); outputs have the input dtype.
+`attn_forward` / `attn_backward` are the op pair behind the custom ops (same signatures as the Triton host
+functions); this reference reads n_sel on the host, the kernels do not.
 """
 from __future__ import annotations
 
@@ -25,18 +30,26 @@ import torch
 _BLOCK_ELEMS = 16 * 1024 * 1024
 
 
-def _check(q, k, v, q_pos, cu_q, cu_k):
+def check_inputs(q, k, v, q_pos, rows, cu_q, cu_k):
+    """Shape checks of the op contract, on shapes only (no host sync): a one-line ValueError naming the value."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be (N, H, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape != v.shape or q.shape[1:] != k.shape[1:]:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q_pos.shape != (q.shape[0],):
-        raise ValueError(f"q_pos must be ({q.shape[0]},), got {tuple(q_pos.shape)}")
-    if cu_q.dim() != 1 or cu_q.shape != cu_k.shape:
+    for name, t in (("q_pos", q_pos), ("rows", rows)):
+        if t is not None and t.shape != (q.shape[0],):
+            raise ValueError(f"{name} must be ({q.shape[0]},), got {tuple(t.shape)}")
+    if cu_q.dim() != 1 or cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q {tuple(cu_q.shape)} and cu_seqlens_k {tuple(cu_k.shape)} must be (B+1,)")
-    if int(cu_q[-1]) != q.shape[0] or int(cu_k[-1]) != k.shape[0]:
+
+
+def _check_values(q, k, rows, cu_q, cu_k):
+    """Value checks (host reads: the reference only)."""
+    if int(cu_q[-1]) > q.shape[0] or int(cu_k[-1]) != k.shape[0]:
         raise ValueError(f"cu_seqlens end at {int(cu_q[-1])}/{int(cu_k[-1])} but q/k have "
                          f"{q.shape[0]}/{k.shape[0]} rows")
+    if rows is not None and not torch.equal(rows.long().sort().values, torch.arange(q.shape[0], device=rows.device)):
+        raise ValueError("rows must be a permutation of the packed rows (selected rows first)")
 
 
 def _key_ranges(q_pos, cu_q, cu_k, window: Optional[int]):
@@ -74,22 +87,53 @@ def _scores(qc, kc, lo_c, hi_c, k0, scale):
     return s.masked_fill(~allowed[None], float("-inf"))
 
 
+def _cdt(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _range_forward(q, k, v, lo, hi, scale):
+    """Softmax attention where query i sees the packed key range [lo[i], hi[i]]: o (Nq, H, D) in the compute
+    dtype and the natural log-sum-exp (H, Nq)."""
+    cdt = _cdt(q)
+    qf, kf, vf = q.to(cdt), k.to(cdt), v.to(cdt)
+    out = torch.empty_like(qf)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=cdt, device=q.device)  # (H, Nq)
+    for q0, q1, k0, k1 in _chunks(lo, hi, q.shape[1]):
+        s = _scores(qf[q0:q1], kf[k0:k1], lo[q0:q1], hi[q0:q1], k0, scale)
+        m = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", p / denom, vf[k0:k1])
+        lse[:, q0:q1] = (m + torch.log(denom)).squeeze(-1)
+    return out, lse
+
+
+def _range_backward(dout, q, k, v, out, lse, lo, hi, scale):
+    """Gradients of `_range_forward` (recomputes the probabilities chunk by chunk): dq, dk, dv."""
+    cdt = lse.dtype
+    qf, kf, vf, do = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
+    dq = torch.zeros_like(qf)
+    dk = torch.zeros_like(kf)
+    dv = torch.zeros_like(vf)
+    delta = (do * out.to(cdt)).sum(-1).transpose(0, 1)  # (H, Nq)
+    for q0, q1, k0, k1 in _chunks(lo, hi, q.shape[1]):
+        s = _scores(qf[q0:q1], kf[k0:k1], lo[q0:q1], hi[q0:q1], k0, scale)
+        p = torch.exp(s - lse[:, q0:q1, None])  # (H, Cq, Ck)
+        doc = do[q0:q1]
+        dv[k0:k1] += torch.einsum("hqk,qhd->khd", p, doc)
+        dp = torch.einsum("qhd,khd->hqk", doc, vf[k0:k1])
+        ds = p * (dp - delta[:, q0:q1, None]) * scale
+        dq[q0:q1] = torch.einsum("hqk,khd->qhd", ds, kf[k0:k1])
+        dk[k0:k1] += torch.einsum("hqk,qhd->khd", ds, qf[q0:q1])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _RangeAttention(torch.autograd.Function):
-    """Softmax attention where query i sees the contiguous packed key range [lo[i], hi[i]]."""
+    """Softmax attention where query i sees the contiguous packed key range [lo[i], hi[i]] (compacted rows)."""
 
     @staticmethod
     def forward(ctx, q, k, v, lo, hi, scale):
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        qf, kf, vf = q.to(cdt), k.to(cdt), v.to(cdt)
-        out = torch.empty_like(qf)
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=cdt, device=q.device)  # (H, Nq)
-        for q0, q1, k0, k1 in _chunks(lo, hi, q.shape[1]):
-            s = _scores(qf[q0:q1], kf[k0:k1], lo[q0:q1], hi[q0:q1], k0, scale)
-            m = s.amax(dim=-1, keepdim=True)
-            p = torch.exp(s - m)
-            denom = p.sum(dim=-1, keepdim=True)
-            out[q0:q1] = torch.einsum("hqk,khd->qhd", p / denom, vf[k0:k1])
-            lse[:, q0:q1] = (m + torch.log(denom)).squeeze(-1)
+        out, lse = _range_forward(q, k, v, lo, hi, scale)
         ctx.save_for_backward(q, k, v, lo, hi, out, lse)
         ctx.scale = scale
         return out.to(q.dtype)
@@ -97,46 +141,87 @@ class _RangeAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, lo, hi, out, lse = ctx.saved_tensors
-        scale = ctx.scale
-        cdt = out.dtype
-        qf, kf, vf, do = q.to(cdt), k.to(cdt), v.to(cdt), dout.to(cdt)
-        dq = torch.zeros_like(qf)
-        dk = torch.zeros_like(kf)
-        dv = torch.zeros_like(vf)
-        delta = (do * out).sum(-1).transpose(0, 1)  # (H, Nq)
-        for q0, q1, k0, k1 in _chunks(lo, hi, q.shape[1]):
-            s = _scores(qf[q0:q1], kf[k0:k1], lo[q0:q1], hi[q0:q1], k0, scale)
-            p = torch.exp(s - lse[:, q0:q1, None])  # (H, Cq, Ck)
-            doc = do[q0:q1]
-            dv[k0:k1] += torch.einsum("hqk,qhd->khd", p, doc)
-            dp = torch.einsum("qhd,khd->hqk", doc, vf[k0:k1])
-            ds = p * (dp - delta[:, q0:q1, None]) * scale
-            dq[q0:q1] = torch.einsum("hqk,khd->qhd", ds, kf[k0:k1])
-            dk[k0:k1] += torch.einsum("hqk,qhd->khd", ds, qf[q0:q1])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return (*_range_backward(dout, q, k, v, out, lse, lo, hi, ctx.scale), None, None, None)
 
 
-def query_sparse_attention(q, k, v, q_pos, cu_seqlens_q, cu_seqlens_k, scale: Optional[float] = None):
-    """Causal attention for a packed subset of query rows over dense keys/values. Returns (Nq, H, D)."""
-    _check(q, k, v, q_pos, cu_seqlens_q, cu_seqlens_k)
+_LN2 = math.log(2.0)
+
+
+def _slots(q, q_pos, rows, cu_q, cu_k, window):
+    """Selected rows (n_sel,) int64 in slot order and each one's key range [lo, hi]. rows None: every row a
+    query (dense: sliding window / causal)."""
+    if rows is None:
+        q_pos, rows, cu_q = positions_in_sequence(cu_k, q.shape[0]), torch.arange(q.shape[0]), cu_k
+    idx = rows.long()[:int(cu_q[-1])].to(q.device)
+    lo, hi = _key_ranges(q_pos.long()[idx], cu_q, cu_k, window)
+    return idx, lo, hi
+
+
+def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int):
+    """o (N, H, D) in q's dtype (zero at unselected rows) and lse2 (H, N), the base-2 log-sum-exp of the
+    scaled scores per slot (zero past n_sel). window 0: causal; rows None: every row a query."""
+    idx, lo, hi = _slots(q, q_pos, rows, cu_q, cu_k, window or None)
+    o = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=_cdt(q), device=q.device)
+    if idx.numel():
+        out_c, lse_c = _range_forward(q[idx], k, v, lo, hi, scale)
+        o[idx] = out_c.to(q.dtype)
+        lse[:, :idx.shape[0]] = lse_c / _LN2
+    return o, lse
+
+
+def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, window: int):
+    """dq (zero at unselected rows), dk, dv of `attn_forward`."""
+    idx, lo, hi = _slots(q, q_pos, rows, cu_q, cu_k, window or None)
+    dq = torch.zeros_like(q)
+    if not idx.numel():
+        return dq, torch.zeros_like(k), torch.zeros_like(v)
+    dqc, dk, dv = _range_backward(do[idx], q[idx], k, v, o[idx], lse[:, :idx.shape[0]] * _LN2, lo, hi, scale)
+    dq[idx] = dqc
+    return dq, dk, dv
+
+
+class _StaticAttention(torch.autograd.Function):
+    """`attn_forward` with its backward: the reference ops as plain autograd (the kernels' oracle)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, rows, cu_q, cu_k, scale, window):
+        o, lse = attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale, window)
+        ctx.save_for_backward(q, k, v, o, lse, q_pos, rows, cu_q, cu_k)
+        ctx.cfg = (scale, window)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, q_pos, rows, cu_q, cu_k = ctx.saved_tensors
+        return (*attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, *ctx.cfg), *(None,) * 6)
+
+
+def query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale: Optional[float] = None):
+    """Causal attention of the selected rows (rows[:cu_seqlens_q[-1]]) over dense keys/values: (N, H, D), zero
+    at unselected rows. See the module docstring for the contract."""
+    check_inputs(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k)
+    _check_values(q, k, rows, cu_seqlens_q, cu_seqlens_k)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.shape[0] == 0:  # no row selected: empty output that still joins the graph
-        return q * 0.0
-    lo, hi = _key_ranges(q_pos, cu_seqlens_q, cu_seqlens_k, None)
-    return _RangeAttention.apply(q, k, v, lo, hi, scale)
+    return _StaticAttention.apply(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, 0)
 
 
 def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale: Optional[float] = None):
     """Causal sliding-window attention over packed sequences. Returns (N, H, D)."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    pos = positions_in_sequence(cu_seqlens, q.shape[0])
-    _check(q, k, v, pos, cu_seqlens, cu_seqlens)
+    check_inputs(q, k, v, None, None, cu_seqlens, cu_seqlens)
+    _check_values(q, k, None, cu_seqlens, cu_seqlens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.shape[0] == 0:
-        return q * 0.0
-    lo, hi = _key_ranges(pos, cu_seqlens, cu_seqlens, window)
-    return _RangeAttention.apply(q, k, v, lo, hi, scale)
+    return _StaticAttention.apply(q, k, v, None, None, cu_seqlens, cu_seqlens, scale, window)
+
+
+def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None):
+    """Dense causal attention inside each packed sequence (every row a query): (N, H, D)."""
+    check_inputs(q, k, v, None, None, cu_seqlens, cu_seqlens)
+    _check_values(q, k, None, cu_seqlens, cu_seqlens)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _StaticAttention.apply(q, k, v, None, None, cu_seqlens, cu_seqlens, scale, 0)
 
 
 def positions_in_sequence(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:

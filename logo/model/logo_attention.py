@@ -22,8 +22,8 @@ import torch.nn as nn
 from logo.config import ModelConfig
 from logo.kernels import dispatch
 from logo.model.attention import QKVAttention
-from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, apply_rope_rows, upcast
-from logo.model.routing import compact, route, routing_stats, soft_ratio
+from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, upcast
+from logo.model.routing import partition, route, routing_stats, soft_ratio
 
 
 class BranchTransform(nn.Module):
@@ -94,13 +94,13 @@ class LoGoAttention(QKVAttention):
                 norm.reset_parameters()
         self.threshold.fill_(0.5 if a.threshold_init is None else a.threshold_init)
 
-    def global_branch_qkv(self, x_sel, q_sel, x, k, v):
-        """Pre-RoPE global q for the selected rows (Nq, H, D) and global k, v for every row (N, H, D), from the
-        rows' inputs x (d) or their local-branch q/k/v: only the selected rows' queries are transformed."""
+    def global_branch_qkv(self, x, q, k, v):
+        """Pre-RoPE global q, k, v (N, H, D) of every row, from the rows' inputs x (N, d) or their local-branch
+        q, k, v (N, H, D). Every row's query is transformed (static shapes); the kernel reads the selected ones."""
         if self.attn_cfg.transform == "full":
             H, D = self.n_heads, self.head_dim
-            return (self.wq_g(x_sel).view(-1, H, D), self.wk_g(x).view(-1, H, D), self.wv_g(x).view(-1, H, D))
-        return self.transform(0, q_sel), self.transform(1, k), self.transform(2, v)
+            return (self.wq_g(x).view(-1, H, D), self.wk_g(x).view(-1, H, D), self.wv_g(x).view(-1, H, D))
+        return self.transform(0, q), self.transform(1, k), self.transform(2, v)
 
     def gate_probs(self, x: torch.Tensor) -> torch.Tensor:
         """p_t = sigmoid(x_t . w_g): x (B, T, d) -> (N,) in at least fp32."""
@@ -113,35 +113,32 @@ class LoGoAttention(QKVAttention):
 
     def branches(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
         """Everything between the shared projections and W_o: x (B, T, d), pre-RoPE q, k, v (B, T, H, D)
-        -> o (N, H, D), p (N,), z (N,) bool."""
+        -> o (N, H, D), p (N,), z (N,) bool. Static shapes, no host synchronisation."""
         a = self.attn_cfg
         p = self.gate_probs(x)  # (N,)
         z = route(p, self.threshold, seqs)  # (N,) bool
-        sel = compact(z, seqs)
+        sel = partition(z, seqs)
         x, q, k, v = x.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, ...)
-        qg, kg, vg = self.global_branch_qkv(x[sel.index], q[sel.index], x, k, v)
+        qg, kg, vg = self.global_branch_qkv(x, q, k, v)  # (N, H, D)
 
         # Local branch: every token.
         q, k = apply_rope(q, cos, sin, seqs.batch), apply_rope(k, cos, sin, seqs.batch)  # (N, H, D)
         o_local = dispatch.sliding_window_attention(q, k, v, seqs.cu_seqlens, self.window, backend=a.backend)
-        o_local = self.norm_local(o_local)  # (N, H, D)
 
-        # Global branch: selected query rows only (rotated at their own positions); keys/values stay dense.
-        row_pos = sel.index % seqs.seqlen  # (Nq,) RoPE position: the token's place in its row
-        qg = apply_rope_rows(qg, cos[row_pos], sin[row_pos])  # (Nq, H, D)
-        kg = apply_rope(kg, cos, sin, seqs.batch)
-        o_global = dispatch.query_sparse_attention(qg, kg, vg, sel.q_pos, sel.cu_seqlens_q, seqs.cu_seqlens,
-                                                   backend=a.backend)
-        o_global = self.norm_global(o_global)  # (Nq, H, D)
+        # Global branch: the selected query rows (sel.rows[:n_sel]) over dense keys/values; zero elsewhere.
+        qg, kg = apply_rope(qg, cos, sin, seqs.batch), apply_rope(kg, cos, sin, seqs.batch)
+        o_global = dispatch.query_sparse_attention(qg, kg, vg, seqs.pos, sel.rows, sel.cu_seqlens_q,
+                                                   seqs.cu_seqlens, backend=a.backend)  # (N, H, D)
+        return self.fuse(o_local, o_global, p, z), p, z
 
-        p_sel = p[sel.index][:, None, None]  # (Nq, 1, 1): the gate's only path into the output
-        o_sel = upcast(o_local[sel.index])
-        if a.fusion == "weighted":
-            fused = (1.0 - p_sel) * o_sel + p_sel * upcast(o_global)
-        else:  # additive
-            fused = o_sel + p_sel * upcast(o_global)
-        o = o_local.index_copy(0, sel.index, fused.to(o_local.dtype))  # unselected rows: exactly Norm^L(O^L)
-        return o, p, z
+    def fuse(self, o_local, o_global, p, z):
+        """Both ContextNorms and the fusion in one elementwise expression (compile fuses it into one kernel):
+        o_local, o_global (N, H, D), p (N,), z (N,) -> o (N, H, D); unselected rows are exactly Norm^L(O^L)."""
+        o_local = self.norm_local(o_local)
+        p_ = p[:, None, None]  # (N, 1, 1): the gate's only path into the output, through selected rows
+        o_l, o_g = upcast(o_local), upcast(self.norm_global(o_global))
+        fused = ((1.0 - p_) * o_l if self.attn_cfg.fusion == "weighted" else o_l) + p_ * o_g
+        return torch.where(z[:, None, None], fused.to(o_local.dtype), o_local)
 
     def forward(self, x, cos, sin, seqs: PackedSeqs):
         """x (B, T, d) -> out (B, T, d), aux_loss scalar or None, routing stats (4,)."""

@@ -1,4 +1,8 @@
-"""Token routing for LoGo: gate -> hard decision -> compacted global queries (paper Eq. 7-8)."""
+"""Token routing for LoGo: gate -> hard decision -> partition of the rows, selected first (paper Eq. 7-8).
+
+Static shapes, no host synchronisation: the partition is a permutation of all N rows and the selected count
+lives in device memory (the last entry of cu_seqlens_q), which the attention kernels read themselves.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,14 +14,14 @@ from logo.model.layers import PackedSeqs
 
 @dataclass
 class Selection:
-    """The rows routed to the global branch, compacted in packed (sequence) order.
+    """The rows routed to the global branch, as a partition of all N packed rows.
 
-    index (Nq,) int64 rows of the flattened batch; q_pos (Nq,) int32 their positions inside their sequences;
-    cu_seqlens_q (S+1,) int32 offsets of each sequence's selected rows.
+    rows (N,) int32: a permutation of the rows, the selected ones first in packed (sequence, then position)
+    order, then the unselected ones; cu_seqlens_q (S+1,) int32: offsets of each sequence's selected rows among
+    them (cu_seqlens_q[-1] = number selected, on the device).
     """
 
-    index: torch.Tensor
-    q_pos: torch.Tensor
+    rows: torch.Tensor
     cu_seqlens_q: torch.Tensor
 
 
@@ -26,13 +30,16 @@ def route(p: torch.Tensor, threshold: torch.Tensor, seqs: PackedSeqs) -> torch.T
     return (p > threshold) & seqs.valid
 
 
-def compact(z: torch.Tensor, seqs: PackedSeqs) -> Selection:
-    """Gather the selected rows (ascending, hence sorted by sequence then position) and their offsets."""
-    index = torch.nonzero(z).squeeze(1)  # (Nq,)
-    counts = torch.bincount(seqs.seq_id[index], minlength=seqs.num_seqs)  # (S,)
-    cu_q = torch.zeros(seqs.num_seqs + 1, dtype=torch.int32, device=z.device)
-    cu_q[1:] = torch.cumsum(counts, 0).to(torch.int32)
-    return Selection(index=index, q_pos=seqs.pos[index], cu_seqlens_q=cu_q)
+def partition(z: torch.Tensor, seqs: PackedSeqs) -> Selection:
+    """Stable partition of the rows by z (selected first) by two prefix sums and one scatter: O(N), on device."""
+    n = z.shape[0]
+    idx = torch.arange(n, device=z.device, dtype=torch.int32)
+    csum = torch.cumsum(z, 0, dtype=torch.int32)  # (N,) selected rows up to and including each row
+    n_sel = csum[-1:]  # (1,)
+    dest = torch.where(z, csum - 1, n_sel + idx - csum)  # selected: their rank; others: after all selected
+    rows = torch.empty_like(idx).scatter_(0, dest.long(), idx)
+    cu_q = torch.nn.functional.pad(csum, (1, 0))[seqs.cu_seqlens.long()]  # (S+1,) selected before each start
+    return Selection(rows=rows, cu_seqlens_q=cu_q)
 
 
 def routing_stats(z: torch.Tensor, p: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

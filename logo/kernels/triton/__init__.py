@@ -1,10 +1,7 @@
-"""Triton GPU kernels for LoGo attention, same signatures and varlen contract as `logo.kernels.reference`.
-
-`query_sparse_attention(q, k, v, q_pos, cu_seqlens_q, cu_seqlens_k, scale=None)` and
-`sliding_window_attention(q, k, v, cu_seqlens, window, scale=None)` are differentiable (Triton forward and
-backward kernels); `causal_attention(q, k, v, cu_seqlens, scale=None)` is dense causal varlen attention
-built on the same kernels. See `_attn.py` for the design.
+"""Triton GPU kernels for LoGo attention: `attn_forward` / `attn_backward`, the same op pair (and static-shape
+contract) as `logo.kernels.reference`. The differentiable ops are the custom ops in `logo.kernels.ops`, which
+call these on CUDA. See `_attn.py` for the design.
 """
-from logo.kernels.triton._attn import causal_attention, query_sparse_attention, sliding_window_attention
+from logo.kernels.triton._attn import attn_backward, attn_forward, validate
 
-__all__ = ["query_sparse_attention", "sliding_window_attention", "causal_attention"]
+__all__ = ["attn_forward", "attn_backward", "validate"]

@@ -1,9 +1,11 @@
 """Triton kernels of the "range attention" family (the host side and the design notes are in `_attn.py`).
 
-A query row r (packed, of NQ) sees the packed keys first[r] .. last[r]: last = its own key row (cu_k[seq] +
-q_pos, or r itself when every row is a query, DENSE_Q), first = its sequence's first key, or last - window + 1
-when WINDOWED. Rows look their sequence up with a binary search over cu_seqlens inside the kernel, so no
-per-call block maps are built on the host.
+Programs walk query *slots* 0..NQ-1 (NQ = every packed row, a static grid). With sparse queries slot i holds
+the row ROWS[i]; the first n_sel = CU_Q[NSEQ] slots are the selected rows (read in the kernel, never on the
+host), and blocks past n_sel only write zeros. With DENSE_Q, slot i is row i. A query slot sees the packed keys
+first .. last: last = its own key row (cu_k[seq] + QPOS[row], or the row itself with DENSE_Q), first = its
+sequence's first key, or last - window + 1 when WINDOWED. Slots look their sequence up with a binary search
+over cu_seqlens_q inside the kernel, so no per-call block maps are built on the host.
 """
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ def _seq_of(rows, CU, NSEQ, STEPS):
 
 
 @triton.jit
-def _row_spans(rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr):
-    """(first, last) packed key rows each query row sees (inclusive)."""
-    seq = _seq_of(rows, CU_Q, NSEQ, STEPS)
+def _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr):
+    """(first, last) packed key rows each query slot (holding packed row `rows`) sees (inclusive)."""
+    seq = _seq_of(slots, CU_Q, NSEQ, STEPS)
     first = tl.load(CU_K + seq)
     if DENSE_Q:
         last = rows
@@ -83,16 +85,46 @@ def _visible(keys, first, last):
 
 
 @triton.jit
-def _query_block(QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
+def _n_queries(CU_Q, NQ, NSEQ, DENSE_Q: tl.constexpr):
+    """Number of live query slots: every row (DENSE_Q) or the selected count CU_Q[NSEQ] (device memory)."""
+    if DENSE_Q:
+        n = NQ
+    else:
+        n = tl.load(CU_Q + NSEQ)
+    return n
+
+
+@triton.jit
+def _slot_rows(ROWS, slots, NQ, DENSE_Q: tl.constexpr):
+    """The packed row held by each slot (slots past NQ read row 0; callers mask them)."""
+    if DENSE_Q:
+        rows = slots
+    else:
+        rows = tl.load(ROWS + slots, mask=slots < NQ, other=0)
+    return rows
+
+
+@triton.jit
+def _query_block(ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr):
-    """This program's query rows (block taken from the end: later rows see more keys, so they start first),
-    their key spans and the key regions of the block."""
+    """This program's query slots (block taken from the end: later rows see more keys, so they start first), the
+    rows they hold, which are live (< n_sel), their key spans and the key regions of the block (all empty when
+    no slot of the block is live)."""
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    rows = pid * BM + tl.arange(0, BM)
-    row_ok = rows < NQ
-    first, last = _row_spans(tl.minimum(rows, NQ - 1), QPOS, CU_Q, CU_K, NSEQ, STEPS, window, WINDOWED, DENSE_Q)
+    slots = pid * BM + tl.arange(0, BM)
+    nsel = _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
+    row_ok = slots < nsel
+    rows = _slot_rows(ROWS, slots, NQ, DENSE_Q)
+    sc = tl.minimum(slots, tl.maximum(nsel - 1, 0))  # dead slots take the last live slot's span
+    first, last = _row_spans(sc, _slot_rows(ROWS, sc, NQ, DENSE_Q), QPOS, CU_Q, CU_K, NSEQ, STEPS, window,
+                             WINDOWED, DENSE_Q)
     lo, m_end, u0, u1, hi = _key_regions(first, last, BN)
-    return rows, row_ok, first, last, lo, m_end, u0, u1, hi
+    live = pid * BM < nsel
+    m_end = tl.where(live, m_end, lo)
+    u0 = tl.where(live, u0, lo)
+    u1 = tl.where(live, u1, lo)
+    hi = tl.where(live, hi, lo)
+    return slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -123,13 +155,13 @@ def _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, start,
 
 
 @triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window"])
-def _fwd_kernel(Q, K, V, O, LSE, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
+def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
                 sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, qk_scale,
                 WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 D: tl.constexpr, PREC: tl.constexpr):
     h = tl.program_id(1)
-    rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
-                                                                    WINDOWED, DENSE_Q, BM, BN)
+    slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(
+        ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, WINDOWED, DENSE_Q, BM, BN)
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -144,25 +176,29 @@ def _fwd_kernel(Q, K, V, O, LSE, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
                                qk_scale, False, BN, D, PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, u1, hi, hi,
                                qk_scale, True, BN, D, PREC)
-    o = acc / l_i[:, None]
+    l_safe = tl.where(row_ok, l_i, 1.0)
+    o = tl.where(row_ok[:, None], acc / l_safe[:, None], 0.0)  # dead slots: zero rows
+    in_n = slots < NQ
     tl.store(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(LSE + h * NQ + rows, m_i + tl.math.log2(l_i), mask=row_ok)
+             mask=in_n[:, None])
+    tl.store(LSE + h * NQ + slots, tl.where(row_ok, m_i + tl.math.log2(l_safe), 0.0), mask=in_n)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # backward: delta = rowsum(dO * O)
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["NQ"])
-def _delta_kernel(O, DO, DELTA, NQ, so_n, so_h, sdo_n, sdo_h, BM: tl.constexpr, D: tl.constexpr):
+@triton.jit(do_not_specialize=["NQ", "NSEQ"])
+def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, DENSE_Q: tl.constexpr,
+                  BM: tl.constexpr, D: tl.constexpr):
+    """delta per slot (zero for dead slots, so the dK/dV products stay finite there)."""
     h = tl.program_id(1)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    ok = rows < NQ
-    rows64 = rows.to(tl.int64)
+    slots = tl.program_id(0) * BM + tl.arange(0, BM)
+    ok = slots < _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
+    rows64 = _slot_rows(ROWS, slots, NQ, DENSE_Q).to(tl.int64)
     offs_d = tl.arange(0, D)
     o = tl.load(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], mask=ok[:, None], other=0.0)
     do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-    tl.store(DELTA + h * NQ + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+    tl.store(DELTA + h * NQ + slots, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=slots < NQ)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -191,19 +227,19 @@ def _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, st
 
 
 @triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window"])
-def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
+def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
                sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdq_n, sdq_h, qk_scale, scale,
                WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                D: tl.constexpr, PREC: tl.constexpr):
     h = tl.program_id(1)
-    rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window,
-                                                                    WINDOWED, DENSE_Q, BM, BN)
+    slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(
+        ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, WINDOWED, DENSE_Q, BM, BN)
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + h * NQ + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + h * NQ + rows, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + h * NQ + slots, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + h * NQ + slots, mask=row_ok, other=0.0)
     k_head = K + h * sk_h
     v_head = V + h * sv_h
     dq = tl.zeros([BM, D], tl.float32)
@@ -213,23 +249,24 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, w
                    False, BN, D, PREC)
     dq = _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, u1, hi, hi, qk_scale,
                    True, BN, D, PREC)
-    tl.store(DQ + rows64[:, None] * sdq_n + h * sdq_h + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None])
+    dq = tl.where(row_ok[:, None], dq * scale, 0.0)  # dead slots: unselected rows get zero gradient
+    tl.store(DQ + rows64[:, None] * sdq_n + h * sdq_h + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=(slots < NQ)[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------
 # backward: dK, dV, one program per (KV block, head); optionally dQ by atomic adds into an fp32 buffer
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, h, NQ, sq_n, sq_h, sdo_n, sdo_h,
+def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n, sdo_h,
                 sdqa_n, sdqa_h, start, end, qk_scale, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
                 MASK: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                 PREC: tl.constexpr):
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     for m0 in range(start, end, BM):
-        rows = m0 + offs_mb
-        rows64 = rows.to(tl.int64)
+        rows = m0 + offs_mb  # query slots
+        rows64 = _slot_rows(ROWS, rows, NQ, DENSE_Q).to(tl.int64)  # the packed rows they hold
         if MASK:
             rin = rows < NQ
             qt = tl.load(Q + rows64[None, :] * sq_n + h * sq_h + offs_d[:, None], mask=rin[None, :], other=0.0)
@@ -270,7 +307,7 @@ def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, 
 
 
 @triton.jit(do_not_specialize=["NQ", "NK", "NBK", "NSEQ", "STEPS", "window"])
-def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, CU_Q, CU_K, NQ, NK, NBK, NSEQ, STEPS,
+def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q, CU_K, NQ, NK, NBK, NSEQ, STEPS,
                  window, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdk_n, sdk_h, sdv_n, sdv_h, sdqa_n, sdqa_h,
                  qk_scale, scale,
                  WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr,
@@ -293,7 +330,7 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, CU_Q, CU_K
         qz = tl.max(reach, 0)
         full_lo = klast
         full_hi = tl.min(reach, 0)
-    else:  # compacted rows: the first rows at or after the block's first / last key come from the host
+    else:  # query slots: the first slots at or after the block's first / last key come from a searchsorted
         qa = tl.load(SPLIT + pid)
         full_lo = tl.load(SPLIT + NBK + pid)
         qz = tl.max(qend, 0)
@@ -308,11 +345,11 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, CU_Q, CU_K
     v = tl.load(V + keys64[:, None] * sv_n + h * sv_h + offs_d[None, :], mask=kin[:, None], other=0.0)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
-    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, h, NQ, sq_n, sq_h, sdo_n,
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
                          sdo_h, sdqa_n, sdqa_h, qa, u0, qk_scale, window, WINDOWED, DENSE_Q, True, ATOMIC_DQ, BM, D, PREC)
-    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, h, NQ, sq_n, sq_h, sdo_n,
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
                          sdo_h, sdqa_n, sdqa_h, u0, u1, qk_scale, window, WINDOWED, DENSE_Q, False, ATOMIC_DQ, BM, D, PREC)
-    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, h, NQ, sq_n, sq_h, sdo_n,
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
                          sdo_h, sdqa_n, sdqa_h, u1, qz, qk_scale, window, WINDOWED, DENSE_Q, True, ATOMIC_DQ, BM, D, PREC)
     tl.store(DK + keys64[:, None] * sdk_n + h * sdk_h + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=kin[:, None])

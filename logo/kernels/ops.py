@@ -1,0 +1,125 @@
+"""LoGo's attention ops as PyTorch custom ops, so `torch.compile(fullgraph=True)` captures whole blocks.
+
+One op pair serves every kind ("range attention": each query slot sees a contiguous key range of its sequence):
+
+    logo::range_attention_fwd(q, k, v, q_pos?, rows?, cu_q, cu_k, scale, window, use_triton) -> (o, lse2)
+    logo::range_attention_bwd(do, q, k, v, o, lse2, q_pos?, rows?, cu_q, cu_k, scale, window, use_triton)
+        -> (dq, dk, dv)
+
+rows None: every row a query (sliding window with window > 0, causal with window 0); else query-sparse with
+the static-shape contract of `logo.kernels.reference` (o (N, H, D), zero at unselected rows; the selected count
+cu_q[-1] stays on the device). use_triton picks the Triton kernels (CUDA, or the CPU interpreter) or the
+pure-PyTorch reference inside the op, so the op (and `opcheck`) also runs on CPU. Output shapes depend only on
+input shapes (`register_fake`); the backward is the second op (`register_autograd`). Inputs are made
+contiguous inside the ops.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from logo.kernels import reference
+
+
+def _impl(use_triton: bool):
+    if use_triton:
+        from logo.kernels import triton as triton_ops
+        return triton_ops
+    return reference
+
+
+def _c(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+@torch.library.custom_op("logo::range_attention_fwd", mutates_args=())
+def range_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor], rows: Optional[Tensor],
+                        cu_q: Tensor, cu_k: Tensor, scale: float, window: int,
+                        use_triton: bool) -> tuple[Tensor, Tensor]:
+    """o (N, H, D) and the base-2 log-sum-exp per query slot (H, N) (private to the backward)."""
+    return _impl(use_triton).attn_forward(q.contiguous(), k.contiguous(), v.contiguous(), _c(q_pos), _c(rows),
+                                          cu_q.contiguous(), cu_k.contiguous(), scale, window)
+
+
+@range_attention_fwd.register_fake
+def _(q, k, v, q_pos, rows, cu_q, cu_k, scale, window, use_triton):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
+
+
+@torch.library.custom_op("logo::range_attention_bwd", mutates_args=())
+def range_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                        q_pos: Optional[Tensor], rows: Optional[Tensor], cu_q: Tensor, cu_k: Tensor, scale: float,
+                        window: int, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dq (zero at unselected rows), dk, dv."""
+    return _impl(use_triton).attn_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                           o.contiguous(), lse.contiguous(), _c(q_pos), _c(rows), cu_q.contiguous(),
+                                           cu_k.contiguous(), scale, window)
+
+
+@range_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale, window, use_triton):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_pos, rows, cu_q, cu_k, scale, window, use_triton = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, q_pos, rows, cu_q, cu_k)
+    ctx.cfg = (scale, window, use_triton)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, q_pos, rows, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = range_attention_bwd(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, *ctx.cfg)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+range_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _prepare(q, k, v, q_pos, rows, cu_q, cu_k, scale, use_triton):
+    reference.check_inputs(q, k, v, q_pos, rows, cu_q, cu_k)
+    if use_triton:
+        _impl(True).validate(q, k, v)
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _i32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.to(torch.int32)
+
+
+def query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale: Optional[float] = None,
+                           use_triton: bool = False) -> Tensor:
+    """Causal attention of the selected rows over dense keys/values: (N, H, D), zero at unselected rows (the
+    contract is in `logo.kernels.reference`). No host synchronisation with the Triton kernels."""
+    scale = _prepare(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, use_triton)
+    return range_attention_fwd(q, k, v, _i32(q_pos), _i32(rows), _i32(cu_seqlens_q), _i32(cu_seqlens_k), scale, 0,
+                               use_triton)[0]
+
+
+def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale: Optional[float] = None,
+                             use_triton: bool = False) -> Tensor:
+    """Causal sliding-window attention over packed sequences: (N, H, D)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return _every_row_a_query(q, k, v, cu_seqlens, int(window), scale, use_triton)
+
+
+def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, use_triton: bool = False) -> Tensor:
+    """Dense causal attention inside each packed sequence (every row a query): (N, H, D)."""
+    return _every_row_a_query(q, k, v, cu_seqlens, 0, scale, use_triton)
+
+
+def _every_row_a_query(q, k, v, cu_seqlens, window: int, scale, use_triton: bool) -> Tensor:
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same rows when every row is a query, got {q.shape[0]} and "
+                         f"{k.shape[0]}")
+    scale = _prepare(q, k, v, None, None, cu_seqlens, cu_seqlens, scale, use_triton)
+    cu = _i32(cu_seqlens)
+    return range_attention_fwd(q, k, v, None, None, cu, cu, scale, window, use_triton)[0]

@@ -1,0 +1,192 @@
+"""The attention custom ops (`logo.kernels.ops`): `torch.library.opcheck` on both ops (reference inside on CPU;
+the Triton kernels under the CPU interpreter at a tiny shape), and a LoGo block compiled with fullgraph=True
+equal to eager in outputs and gradients (aot_eager on CPU, inductor on a GPU). Tolerances: float64 1e-12;
+compiled vs eager float32 on CPU 1e-5 (aot_eager runs the same kernels, only graph-level reordering)."""
+import math
+
+import pytest
+import torch
+
+from logo.config import AttentionConfig, ModelConfig
+from logo.kernels import ops
+from logo.kernels import reference as R
+from logo.model.layers import PackedSeqs, rope_cos_sin
+from logo.model.routing import partition
+from logo.model.transformer import TransformerBlock
+
+CUDA = torch.cuda.is_available()
+
+
+def problem(dtype, mode, seed=0, H=2, D=16):
+    """Random q, k, v over three documents and a selection (rows, every row's q_pos, cu_q)."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, 7, 8, 19], dtype=torch.int32)
+    n = int(cu[-1])
+    q, k, v = (torch.randn(n, H, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_() for _ in range(3))
+    seqs = PackedSeqs.build(1, n, "cpu", cu)
+    z = {"none": torch.zeros(n, dtype=torch.bool), "all": torch.ones(n, dtype=torch.bool),
+         "random": torch.rand(n, generator=g) < 0.5}[mode]
+    sel = partition(z, seqs)
+    return q, k, v, seqs.pos, sel.rows, sel.cu_seqlens_q, cu
+
+
+@pytest.mark.parametrize("mode", ["random", "none", "all"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_opcheck_sparse_reference(mode, window):
+    q, k, v, pos, rows, cu_q, cu = problem(torch.float64, mode)
+    args = (q, k, v, pos, rows, cu_q, cu, 0.25, window, False)
+    torch.library.opcheck(torch.ops.logo.range_attention_fwd.default, args)
+    o, lse = torch.ops.logo.range_attention_fwd(*args)
+    do = torch.randn_like(o)
+    torch.library.opcheck(torch.ops.logo.range_attention_bwd.default,
+                          (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, pos, rows, cu_q, cu, 0.25,
+                           window, False))
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_opcheck_dense_reference(window):
+    q, k, v, _, _, _, cu = problem(torch.float64, "all")
+    torch.library.opcheck(torch.ops.logo.range_attention_fwd.default,
+                          (q, k, v, None, None, cu, cu, 0.25, window, False))
+
+
+def test_opcheck_triton_interpreted():
+    """The Triton kernels inside the op (interpreter on CPU, compiled on a GPU), float32."""
+    dev = "cuda" if CUDA else "cpu"
+    q, k, v, pos, rows, cu_q, cu = (t.detach().to(dev) for t in problem(torch.float32, "random", seed=2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.logo.range_attention_fwd.default,
+                          (q, k, v, pos, rows, cu_q, cu, 0.25, 0, True))
+
+
+def test_op_gradients_match_plain_reference():
+    """The custom op's registered autograd equals the plain-autograd reference (float64)."""
+    q, k, v, pos, rows, cu_q, cu = problem(torch.float64, "random", seed=5)
+    o = ops.query_sparse_attention(q, k, v, pos, rows, cu_q, cu)
+    want = R.query_sparse_attention(q, k, v, pos, rows, cu_q, cu)
+    g = torch.randn_like(o)
+    torch.testing.assert_close(o, want, atol=1e-12, rtol=0)
+    for a, b in zip(torch.autograd.grad(o, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def logo_block(device, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(dim=64, n_layers=1, n_heads=2, vocab_size=64,
+                      attention=AttentionConfig(kind="logo", window=4, gate_init_std=0.5)).validate()
+    block = TransformerBlock(cfg, 0, "logo").to(device)
+    block.init_weights(0.3, 0.3)
+    return block.to(dtype), cfg
+
+
+def run_block(block, x0, cos, sin, seqs):
+    x = x0.clone().requires_grad_()
+    out, _, stats = block(x, cos, sin, seqs)
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
+    grads = [x.grad] + [p.grad for _, p in sorted(block.named_parameters())]
+    for p in block.parameters():
+        p.grad = None
+    return out.detach(), stats, grads
+
+
+@pytest.mark.parametrize("threshold", [0.5, 2.0, -1.0], ids=["some", "none", "all"])
+def test_logo_block_compiled_fullgraph_equals_eager(threshold):
+    """Whole block (norms, projections, gate, routing, both attention ops, fusion, W_o, FFN) in one graph."""
+    device = "cuda" if CUDA else "cpu"
+    block, cfg = logo_block(device)
+    block.attention.threshold.fill_(threshold)
+    B, T = 2, 16
+    x0 = torch.randn(B, T, cfg.dim, device=device)
+    seqs = PackedSeqs.build(B, T, device, torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32, device=device))
+    cos, sin = rope_cos_sin(T, cfg.head_dim, 10000.0, device)
+    want, wstats, wgrads = run_block(block, x0, cos, sin, seqs)
+    if threshold == 0.5:
+        assert 0 < wstats[0] < B * T
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+    got, stats, grads = run_block(compiled, x0, cos, sin, seqs)
+    torch.testing.assert_close(stats, wstats, atol=0, rtol=0)  # same decisions
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, wgrads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_new_selection_counts_do_not_recompile():
+    """Sizes that vary per step (how many rows are selected) live on the device: one graph for every threshold."""
+    device = "cuda" if CUDA else "cpu"
+    block, cfg = logo_block(device, seed=1)
+    B, T = 1, 12
+    seqs = PackedSeqs.build(B, T, device)
+    cos, sin = rope_cos_sin(T, cfg.head_dim, 10000.0, device)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if not CUDA else "inductor")
+    x = torch.randn(B, T, cfg.dim, device=device)
+    counts = set()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for b in (0.3, 0.5, 0.7, 2.0):
+            block.attention.threshold.fill_(b)
+            _, _, stats = compiled(x, cos, sin, seqs)
+            counts.add(int(stats[0]))
+    assert len(counts) >= 3
+    assert math.isfinite(float(stats.sum()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_logo_layer_has_no_host_sync_on_gpu():
+    """Forward and backward of the LoGo layer (gate, routing, both Triton ops, fusion) at a realistic shape
+    (8k tokens in three documents, 8 heads of 128, bf16) with CUDA's sync debug mode raising on any host sync."""
+    from logo.model.logo_attention import LoGoAttention
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=1024, n_layers=1, n_heads=8, attention=AttentionConfig(kind="logo", window=128)).validate()
+    layer = LoGoAttention(cfg).cuda()
+    layer.init_weights(0.02, 0.02)
+    B, T = 2, 4096
+    seqs = PackedSeqs.build(B, T, "cuda", torch.tensor([0, 1000, 4096, 8192], dtype=torch.int32, device="cuda"))
+    cos, sin = rope_cos_sin(T, 128, 10000.0, "cuda")
+    x = torch.randn(B, T, 1024, device="cuda", requires_grad=True)
+    with torch.no_grad():
+        layer.threshold.copy_(layer.gate_probs(x).median().reshape(1))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, _, stats = layer(x, cos, sin, seqs)
+        out.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 0.3 < float(stats[0] / stats[1]) < 0.7
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_compiled_logo_block_at_realistic_shape_on_gpu():
+    """A bf16 LoGo block (dim 1024, 8 heads of 128, 8k tokens) compiled fullgraph with inductor equals eager within
+    bf16 tolerance (2e-2 relative norm), and a second threshold does not recompile."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=1024, n_layers=1, n_heads=8, attention=AttentionConfig(kind="logo", window=128)).validate()
+    block = TransformerBlock(cfg, 0, "logo").cuda()
+    block.init_weights(0.02, 0.02)
+    B, T = 1, 8192
+    seqs = PackedSeqs.build(B, T, "cuda", torch.tensor([0, 3001, 8192], dtype=torch.int32, device="cuda"))
+    cos, sin = rope_cos_sin(T, 128, 10000.0, "cuda")
+    x = torch.randn(B, T, 1024, device="cuda")
+
+    def run(fn):
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, _, stats = fn(xx, cos, sin, seqs)
+        out.float().square().mean().backward()
+        return out.float(), stats, xx.grad
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    for b in (0.5, 0.45):
+        block.attention.threshold.fill_(b)
+        want, wstats, wgrad = run(block)
+        with torch._dynamo.config.patch(error_on_recompile=b != 0.5):
+            got, stats, grad = run(compiled)
+        assert torch.equal(stats[0], wstats[0])
+        for a, e in ((got, want), (grad, wgrad)):
+            assert (a - e).norm() <= 2e-2 * e.norm()
