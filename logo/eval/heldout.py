@@ -13,7 +13,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
 
@@ -51,10 +50,9 @@ class HeldOutEval:
             window = self.rank + self.world * (j * self.micro + torch.arange(self.micro))  # (M,) window ids
             labels = b.labels.masked_fill((window >= self.windows)[:, None], IGNORE_INDEX).to(self.device)
             b = b.to(self.device)
-            with autocast:
-                out = model(b.inputs, cu_seqlens=b.cu_seqlens, valid=b.valid)
-            ce = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum",
-                                 ignore_index=IGNORE_INDEX)
+            with autocast:  # chunked: without gradients it only takes the loss, one chunk of logits at a time
+                ce = model(b.inputs, cu_seqlens=b.cu_seqlens, valid=b.valid, labels=labels,
+                           loss_impl="chunked").loss_sum
             sums += torch.stack((ce.double(), (labels != IGNORE_INDEX).sum().double()))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)

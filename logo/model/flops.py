@@ -5,10 +5,14 @@ Conventions:
 - `attention_flops_per_token(cfg, T)`: forward FLOPs of the attention *score and value* products
   (QK^T and PV: 4 * H * D per query-key pair) per token, averaged over positions 1..T of a full-length
   sequence and summed over layers. Local: min(t, w) keys; global: t keys; LoGo: local for every token plus
-  rho of the tokens global (the target budget); intra-layer: per-head mix. Projections (including LoGo's
-  transforms and gate) are parameters and so are counted by 6 * N in `train_flops_per_token`.
+  rho of the tokens global (the target budget, or the realized ratio per layer when `ratios` is given);
+  intra-layer: per-head mix. Projections (including LoGo's transforms and gate) are parameters and so are
+  counted by 6 * N in `train_flops_per_token`.
+- `mfu`: the one model-FLOPs-utilization formula, used by the trainer's log and benchmarks/model_step.py.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch.nn as nn
 
@@ -32,11 +36,13 @@ def _mean_keys_local(T: int, w: int) -> float:
     return (w * (w + 1) / 2.0 + (T - w) * w) / T
 
 
-def layer_global_fractions(cfg: ModelConfig) -> list[float]:
-    """Per layer, the fraction of (token, head) query rows with full-context span (the attention budget)."""
+def layer_global_fractions(cfg: ModelConfig, ratios: Optional[dict[int, float]] = None) -> list[float]:
+    """Per layer, the fraction of (token, head) query rows with full-context span (the attention budget).
+    ratios: {layer index: realized global ratio} of LoGo layers (the controller's); missing layers use rho."""
     a = cfg.attention
+    ratios = ratios or {}
     out = []
-    for kind in a.layer_kinds(cfg.n_layers):
+    for i, kind in enumerate(a.layer_kinds(cfg.n_layers)):
         if kind == "full":
             out.append(1.0)
         elif kind == "local":
@@ -44,7 +50,7 @@ def layer_global_fractions(cfg: ModelConfig) -> list[float]:
         elif kind == "intra_layer":
             out.append(a.num_global_heads(cfg.n_heads) / cfg.n_heads)
         else:  # logo: local for all rows plus a global branch for rho of them
-            out.append(a.rho)
+            out.append(float(ratios.get(i, a.rho)))
     return out
 
 
@@ -54,13 +60,13 @@ def attention_budget(cfg: ModelConfig) -> float:
     return sum(f) / len(f)
 
 
-def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward attention (score + value) FLOPs per token, summed over layers."""
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, ratios: Optional[dict[int, float]] = None) -> float:
+    """Forward attention (score + value) FLOPs per token, summed over layers (ratios: see layer_global_fractions)."""
     a = cfg.attention
     per_pair = 4 * cfg.n_heads * cfg.head_dim
     g, loc = _mean_keys_global(seq_len), _mean_keys_local(seq_len, a.window)
     total = 0.0
-    for kind, f in zip(a.layer_kinds(cfg.n_layers), layer_global_fractions(cfg)):
+    for kind, f in zip(a.layer_kinds(cfg.n_layers), layer_global_fractions(cfg, ratios)):
         if kind == "logo":
             total += per_pair * (loc + f * g)
         else:
@@ -68,7 +74,26 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return total
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int, params_non_embedding: int) -> float:
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, params_non_embedding: int,
+                          ratios: Optional[dict[int, float]] = None) -> float:
     """Forward+backward FLOPs per token: 6 * (non-embedding params + LM head) + 3 * attention forward."""
     lm_head = cfg.padded_vocab_size * cfg.dim
-    return 6.0 * (params_non_embedding + lm_head) + 3.0 * attention_flops_per_token(cfg, seq_len)
+    return 6.0 * (params_non_embedding + lm_head) + 3.0 * attention_flops_per_token(cfg, seq_len, ratios)
+
+
+def realized_ratios(metrics: dict) -> dict[int, float]:
+    """{layer index: realized global ratio} from `BudgetController.metrics()` ('logo/ratio/layer_<i>')."""
+    return {int(k.rsplit("_", 1)[1]): float(v) for k, v in metrics.items() if k.startswith("logo/ratio/layer_")}
+
+
+def mfu(cfg: ModelConfig, seq_len: int, params_non_embedding: int, tokens_per_s: float, peak_flops: float,
+        ratios: Optional[dict[int, float]] = None) -> float:
+    """Model FLOPs utilization: train_flops_per_token (attention by kind: window for local, realized ratio
+    for LoGo layers when `ratios` is given) x tokens/s over `peak_flops` (bf16 dense peak of all GPUs used)."""
+    return train_flops_per_token(cfg, seq_len, params_non_embedding, ratios) * tokens_per_s / peak_flops
+
+
+def peak_bf16_flops(device_name: str) -> float:
+    """Dense bf16 peak FLOP/s of one GPU by name (torchtitan's table; H100 SXM / H200: 989e12)."""
+    from torchtitan.tools.utils import get_peak_flops
+    return float(get_peak_flops(device_name))

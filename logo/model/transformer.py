@@ -12,6 +12,7 @@ import torch.nn as nn
 from logo.config import ModelConfig
 from logo.model.attention import FullAttention, IntraLayerHybridAttention, LocalAttention, depth_scaled_std
 from logo.model.layers import FeedForward, PackedSeqs, RMSNorm, rope_cos_sin
+from logo.model.lm_head import LMHead
 from logo.model.logo_attention import LoGoAttention
 
 ATTENTION_MODULES = {
@@ -23,9 +24,10 @@ ATTENTION_MODULES = {
 
 
 class ModelOutput(NamedTuple):
-    logits: torch.Tensor  # (B, T, V_padded)
+    logits: Optional[torch.Tensor]  # (B, T, V_padded); None when the forward was given labels
     aux_loss: torch.Tensor  # scalar; 0 unless attention.budget_control == "aux_loss"
     routing: Optional[torch.Tensor]  # (n_logo_layers, 4) [selected, valid, sum p, sum p^2] or None
+    loss_sum: Optional[torch.Tensor] = None  # () fp32 LM loss summed over the valid labels, when labels were given
 
 
 class TransformerBlock(nn.Module):
@@ -60,7 +62,7 @@ class Transformer(nn.Module):
         # ModuleDict keyed by layer index (torchtitan style: stable FQNs for checkpoints and parallel plans).
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, kinds[i]) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.padded_vocab_size, bias=False)
+        self.output = LMHead(cfg.dim, cfg.padded_vocab_size)
         self.logo_layer_ids = [i for i, k in enumerate(kinds) if k == "logo"]
 
     def init_weights(self):
@@ -77,9 +79,11 @@ class Transformer(nn.Module):
         return [self.layers[str(i)].attention for i in self.logo_layer_ids]
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                valid: Optional[torch.Tensor] = None) -> ModelOutput:
+                valid: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                loss_impl: str = "auto") -> ModelOutput:
         """tokens (B, T) int64; cu_seqlens (S+1,) int32 document offsets over the flattened B*T tokens
-        (row boundaries included); valid (B, T) bool, False for padding."""
+        (row boundaries included); valid (B, T) bool, False for padding. With labels (B, T) int64 (-100 where
+        ignored) the output holds the summed LM loss (`loss_impl`: see logo/model/lm_head.py) and no logits."""
         B, T = tokens.shape
         doc_offsets = cu_seqlens if self.cfg.attention.document_mask else None
         seqs = PackedSeqs.build(B, T, tokens.device, doc_offsets, valid)
@@ -94,5 +98,9 @@ class Transformer(nn.Module):
                 aux_total = aux_total + aux
             if st is not None:
                 stats.append(st)
+        routing = torch.stack(stats) if stats else None
+        if labels is not None:
+            loss_sum = self.output(self.norm(h), labels=labels, loss_impl=loss_impl)  # () fp32
+            return ModelOutput(None, aux_total, routing, loss_sum)
         logits = self.output(self.norm(h))  # (B, T, V)
-        return ModelOutput(logits, aux_total, torch.stack(stats) if stats else None)
+        return ModelOutput(logits, aux_total, routing)

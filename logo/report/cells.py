@@ -15,7 +15,8 @@ from logo.report.values import metric
 # Config keys that do not change what a run measures: seeds (the axis the cell aggregates over), where and how
 # it ran, and where files live (a context-extension stage's init_from names its seed's own pretraining run).
 IGNORED = ("run", "logging", "checkpoint", "parallel", "dry_run", "experiment", "train.seed", "data.seed",
-           "data.path", "train.micro_batch", "train.compile", "train.activation_checkpointing", "attention.backend",
+           "data.path", "train.micro_batch", "train.compile", "train.activation_checkpointing", "train.loss",
+           "attention.backend",
            "model.attention")
 MODEL_NAMES = {"full": "Transformer", "local": "SWA", "inter_layer": "inter-layer-H", "intra_layer": "intra-layer-H",
                "logo": "LoGo"}

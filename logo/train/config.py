@@ -14,6 +14,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from logo.config import AttentionConfig, ConfigError, ModelConfig
+from logo.model.lm_head import LOSS_IMPLS
 
 
 def _fail(name, value, why):
@@ -48,6 +49,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU | fp32 | bf16
     compile: bool = False
     activation_checkpointing: bool = False
+    # LM-head loss: auto (liger on CUDA when installed, else chunked) | liger | chunked | plain (materialised
+    # logits). liger and chunked never hold the (tokens, vocab) logits; see logo/model/lm_head.py.
+    loss: str = "auto"
     seed: int = 0
     # Python's automatic GC pauses at random points (a straggler for every other rank); instead collect
     # generations 0-1 every gc_interval steps on every rank at once (and fully at checkpoints). 0: automatic GC.
@@ -202,6 +206,8 @@ def validate(c: Config) -> None:
         _fail("stage.warmup_fraction", s.warmup_fraction, "must be in [0, 1)")
     if t.dtype not in ("auto", "fp32", "bf16"):
         _fail("train.dtype", t.dtype, "choose auto, fp32 or bf16")
+    if t.loss not in LOSS_IMPLS:
+        _fail("train.loss", t.loss, f"choose one of {list(LOSS_IMPLS)}")
     if t.grad_clip <= 0:
         _fail("train.grad_clip", t.grad_clip, "must be > 0")
     if not isinstance(t.gc_interval, int) or t.gc_interval < 0:

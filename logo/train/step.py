@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Callable
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from data.loader import IGNORE_INDEX, Batch, StepData
+from data.loader import Batch, StepData
+from logo.model.lm_head import lm_loss_sum  # noqa: F401  (re-exported: the plain loss)
 
 
 class TrainingDiverged(RuntimeError):
@@ -46,18 +46,14 @@ class StepOutput:
         return ~(torch.isfinite(self.loss_sum) & torch.isfinite(self.grad_norm))
 
 
-def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """() fp32: cross-entropy summed over the targets that are not IGNORE_INDEX. logits (B, T, V), labels (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
-
-
-def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast):
+def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast, loss_impl: str = "auto"):
     """Forward of one micro-batch (on the device) -> (LM loss summed over the valid targets, () fp32; model
-    output). The one place the loss is computed: a fused linear + cross-entropy passes `labels=mb.labels` to
-    the model and returns its summed loss here instead of `lm_loss_sum(...)`; nothing else changes."""
+    output). The one place the loss is computed: the model's LM head takes the labels and returns the summed
+    loss (`loss_impl`: auto | liger | chunked | plain, see logo/model/lm_head.py), so the (T, vocab) logits
+    are never materialised unless loss_impl is plain."""
     with autocast:
-        out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid)
-    return lm_loss_sum(out.logits, mb.labels), out
+        out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid, labels=mb.labels, loss_impl=loss_impl)
+    return out.loss_sum, out
 
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -67,7 +63,7 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, autocast, ctrl, grad_clip: float,
-               world: int, sharded: bool) -> StepOutput:
+               world: int, sharded: bool, loss_impl: str = "auto") -> StepOutput:
     """Forward and backward of this rank's micro-batches, gradient clipping; no host sync.
 
     The gradient is the token mean over the global batch for any split: FSDP averages gradients over ranks,
@@ -85,7 +81,7 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
         if sharded:
             model.set_requires_gradient_sync(i == len(micro) - 1)
         with phase("forward"):
-            ce, out = micro_batch_loss(model, mb, autocast)
+            ce, out = micro_batch_loss(model, mb, autocast, loss_impl)
         with phase("backward"):
             (dp * (ce / data.target_tokens + out.aux_loss / n_micro)).backward()
         loss_sum += ce.detach()

@@ -29,6 +29,8 @@ from data.prefetch import StepLoader
 from logo.config import ConfigError
 from logo.eval.heldout import HeldOutEval
 from logo.model import BudgetController, Transformer
+from logo.model.flops import mfu, peak_bf16_flops, realized_ratios
+from logo.model.lm_head import resolve_loss_impl
 from logo.parallelize import build_dp_mesh, parallelize
 from logo.train.checkpoint import Checkpointer, load_model_only, resolve_checkpoint
 from logo.train.config import Config
@@ -150,6 +152,17 @@ def _set_rng_state(states) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def _loss_impl(cfg: Config, device: torch.device, rank: int) -> str:
+    """train.loss resolved for this device (auto: liger on CUDA when installed, else chunked)."""
+    try:
+        impl = resolve_loss_impl(cfg.train.loss, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if rank == 0:
+        log.info("LM loss: %s (train.loss=%s)", impl, cfg.train.loss)
+    return impl
+
+
 def _fsdp_options(cfg: Config) -> dict:
     p = cfg.parallel
     return dict(reduce_dtype=torch.bfloat16 if p.reduce_dtype == "bf16" else torch.float32,
@@ -188,6 +201,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     `on_step_end(step)` is called after every step (benchmarks/profile_step.py steps its profiler with it);
     `save_final=False` skips the checkpoint after the last step (benchmarks)."""
     device, rank, world = _setup_distributed(cfg)
+    loss_impl = _loss_impl(cfg, device, rank)  # fails here if train.loss cannot run on this device
     plan = make_plan(cfg, world, attention_name)
     run_dir = Path(plan.run_dir)
     cfg.model.attention.threshold_init = plan.threshold_init
@@ -236,8 +250,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     stop = _StopRequest()
     peak = None
     if device.type == "cuda":
-        from torchtitan.tools.utils import get_peak_flops
-        peak = get_peak_flops(torch.cuda.get_device_name())
+        peak = peak_bf16_flops(torch.cuda.get_device_name())
     bar = None
     if rank == 0 and cfg.logging.progress_bar:
         from tqdm import tqdm
@@ -252,7 +265,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
             with phase("data"):
                 data = loader.next_step()
             out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=cfg.train.grad_clip,
-                             world=world, sharded=dp_mesh is not None)
+                             world=world, sharded=dp_mesh is not None, loss_impl=loss_impl)
             lr = opt.param_groups[0]["lr"]  # the learning rate of this step
             with phase("optimizer"):
                 optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
@@ -273,8 +286,8 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                 DivergenceMonitor.check(diverged, ckpt.latest)  # before any checkpoint of a skipped step
             if log_now:
                 with phase("log"):
-                    last = _log_step(step, plan, loss, grad_norm, lr, timer.durations(), peak, world, device, ctrl,
-                                     host_group, metrics_log, bar, evaluated)
+                    last = _log_step(step, plan, cfg.model, loss, grad_norm, lr, timer.durations(), peak, world,
+                                     device, ctrl, host_group, metrics_log, bar, evaluated)
             if evaluated:
                 timer.restart()  # the held-out evaluation is not part of the next step's time
             if save_now:
@@ -311,18 +324,19 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     return {"step": step, **last}
 
 
-def _log_step(step: int, plan: Plan, loss: float, grad_norm: float, lr: float, durations: list, peak, world: int,
-              device: torch.device, ctrl: BudgetController, host_group, metrics_log, bar,
+def _log_step(step: int, plan: Plan, model_cfg, loss: float, grad_norm: float, lr: float, durations: list, peak,
+              world: int, device: torch.device, ctrl: BudgetController, host_group, metrics_log, bar,
               evaluated: dict) -> dict:
     """The metrics of a logging step (every rank: the collectives), written by rank 0."""
     elapsed = sum(durations) or float("nan")
     m = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
          "tokens_per_s": len(durations) * plan.global_batch_tokens / elapsed, "tokens": step * plan.global_batch_tokens,
          **spread(durations)}
-    if peak:
-        m["mfu"] = plan.train_flops_per_token * m["tokens_per_s"] / (peak * world)
     m["memory_gib"] = _peak_memory_gib(device, host_group)
     m.update(ctrl.metrics())
+    if peak:  # attention FLOPs with the LoGo layers' realized global ratios of the last step
+        m["mfu"] = mfu(model_cfg, plan.seq_len, plan.params_non_embedding, m["tokens_per_s"], peak * world,
+                       realized_ratios(m))
     m.update(evaluated)  # held-out loss when it was due at this step
     if world > 1 and ctrl.layers:
         m["logo/threshold_spread"] = _threshold_spread(ctrl)

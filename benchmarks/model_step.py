@@ -1,0 +1,237 @@
+"""Whole-model training step of every attention kind, same settings, one GPU, one run.
+
+    python benchmarks/model_step.py --out benchmarks/results/h100_model_step.json
+    python benchmarks/model_step.py --shapes 1.5b-8k --compile on --out benchmarks/results/h100_model_step_compiled.json
+    python benchmarks/model_step.py --shapes tiny --kinds full,logo --steps 2 --warmup 0 --out /tmp/s.json  # CPU
+
+Shapes (`--shapes`): 1.5b-8k (1.5B, 1 x 8192 tokens), 1.5b-32k (1.5B, 1 x 32768 tokens, activation
+checkpointing on), small (dim 256, 8 layers, 4 heads, vocab 512, 32 x 1024 tokens), tiny (CPU smoke test).
+Kinds (`--kinds`): full, local, inter_layer, intra_layer, logo (the conf/attention presets; LoGo without
+P-mask and with its thresholds held at 0.5 (gamma 1e-9): the untrained gate's p is 0.5 +- 1e-3, so about half
+the rows go global in every step, the paper's rho = 0.5; the realized ratio is reported).
+
+Every (shape, kind) runs in a fresh subprocess, so the peak memory is that run's own; a CUDA out-of-memory is
+reported as "oom", a crash as "crash". Each run builds its model and step from the project's own code:
+`logo.train.config.compose` (the train.py config), the meta-device `Transformer`, `logo.parallelize.parallelize`
+(train.compile, activation checkpointing), fused AdamW and `logo.train.step.train_step` / `optimizer_step` with
+train.loss, bf16 autocast on GPU. Data: random tokens, every row one document.
+Per run: ms/step (median over --steps steps after --warmup steps, host-synchronised), tokens/s, MFU
+(`logo.model.flops.mfu`, the trainer's formula: 6 x (non-embedding + LM-head parameters) + attention FLOPs by
+kind, the realized ratio of the LoGo layers, over the GPU's dense bf16 peak) and the peak allocated memory.
+Writes the JSON to --out and prints one markdown table per shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+KINDS = ("full", "local", "inter_layer", "intra_layer", "logo")
+SHAPES = {  # name: (train.py overrides, seq_len, sequences per step, activation checkpointing by default)
+    "1.5b-8k": (["model=1.5b"], 8192, 1, False),
+    "1.5b-32k": (["model=1.5b"], 32768, 1, True),
+    "small": (["model=small", "model.n_layers=8", "model.vocab_size=512"], 1024, 32, False),
+    "tiny": (["model=tiny", "model.n_layers=2", "model.vocab_size=512", "attention.window=16"], 64, 2, False),
+}
+DEFAULT_SHAPES = ("1.5b-8k", "1.5b-32k", "small")
+
+
+def overrides(shape: str, kind: str, compile_: bool, ac: bool, loss: str) -> list[str]:
+    extra, T, B, _ = SHAPES[shape]
+    out = [*extra, f"attention={kind}", f"stage.seq_len={T}", f"stage.global_batch_tokens={T * B}",
+           f"train.micro_batch={B}", "train.steps=1", f"train.compile={str(compile_).lower()}",
+           f"train.activation_checkpointing={str(ac).lower()}", f"train.loss={loss}"]
+    if kind == "logo":  # thresholds held at 0.5: the untrained gate (p ~ 0.5 +- 1e-3) routes about half the rows
+        out += ["attention.pmask=false", "attention.gamma=1e-9"]
+    return out
+
+
+def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: int, steps: int) -> dict:
+    """One (shape, kind) run in this process -> its figures (raises on failure)."""
+    import torch
+
+    from data.loader import Batch, StepData
+    from logo.model import BudgetController, Transformer
+    from logo.model.flops import mfu, param_counts, peak_bf16_flops, realized_ratios
+    from logo.model.lm_head import resolve_loss_impl
+    from logo.parallelize import parallelize
+    from logo.train.config import compose
+    from logo.train.step import DivergenceMonitor, make_optimizer, optimizer_step, train_step
+
+    cfg, _, _ = compose(overrides(shape, kind, compile_, ac, loss))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    loss_impl = resolve_loss_impl(cfg.train.loss, device)
+    T, B = cfg.stage.seq_len, cfg.train.micro_batch
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    total, non_emb = param_counts(model)
+    model.to_empty(device=device)
+    model.init_weights()
+    parallelize(model, None, torch.bfloat16 if cuda else torch.float32, ac, compile_)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    opt = make_optimizer(model, 1e-4, (0.9, 0.95), 1e-8, 0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ctrl, monitor = BudgetController(model), DivergenceMonitor(device)
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g)
+    data = StepData([Batch(tok[:, :-1], tok[:, 1:], None, torch.ones(B, T, dtype=torch.bool))], B * T)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=1.0, world=1,
+                         sharded=False, loss_impl=loss_impl)
+        optimizer_step(opt, sched, ctrl, out, monitor, i + 1)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    tokens_per_s = B * T / step_s
+    ratios = realized_ratios(ctrl.metrics())
+    peak = peak_bf16_flops(torch.cuda.get_device_name()) if cuda else None
+    return {
+        "status": "ok", "ms_per_step": 1e3 * step_s, "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(cfg.model, T, non_emb, tokens_per_s, peak, ratios) if peak else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "loss": float(out.loss), "realized_ratio": (sum(ratios.values()) / len(ratios)) if ratios else None,
+        "params_total": total, "params_non_embedding": non_emb, "seq_len": T, "sequences": B,
+        "loss_impl": loss_impl,
+    }
+
+
+def worker(args) -> None:
+    """--worker: one run; writes {"status": ok | oom | error, ...} to --result."""
+    import torch
+    try:
+        res = measure(args.shape, args.kind, args.compile == "on", args.ac == "on", args.loss, args.warmup,
+                      args.steps)
+    except torch.OutOfMemoryError as e:
+        res = {"status": "oom", "error": str(e).splitlines()[0]}
+    except Exception as e:  # noqa: BLE001 - reported in the table, the other runs go on
+        res = {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    Path(args.result).write_text(json.dumps(res))
+
+
+def run_one(shape: str, kind: str, compile_: str, ac: str, args) -> dict:
+    """One (shape, kind) in a fresh subprocess; a run that dies without a result is a crash."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--shape", shape, "--kind", kind,
+               "--compile", compile_, "--ac", ac, "--loss", args.loss, "--warmup", str(args.warmup),
+               "--steps", str(args.steps), "--result", str(result)]
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "error": f"no result after {args.timeout} s"}
+        if result.exists():
+            return json.loads(result.read_text())
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        return {"status": "crash", "error": f"exit {p.returncode}: " + " | ".join(tail)}
+
+
+def table(rows: list[dict], shape: str) -> str:
+    """Markdown table of one shape's runs; the last column is the step time relative to full attention."""
+    full = next((r for r in rows if r["kind"] == "full" and r["status"] == "ok"), None)
+    lines = [f"### {shape}", "", "| kind | compile | ms/step | tokens/s | MFU | peak GiB | ratio | vs full |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['kind']} | {r['compile']} | **{r['status'].upper()}** | {r.get('error', '')[:80]} "
+                         f"| | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+        ratio = f"{r['realized_ratio']:.3f}" if r["realized_ratio"] is not None else "-"
+        vs = f"{r['ms_per_step'] / full['ms_per_step']:.2f}x" if full and full["compile"] == r["compile"] else "-"
+        lines.append(f"| {r['kind']} | {r['compile']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
+                     f"| {mem} | {ratio} | {vs} |")
+    return "\n".join(lines)
+
+
+def device_info() -> dict:
+    import torch
+    cuda = torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None, "host": platform.node()}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/model_step.json", help="JSON results path")
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma list of {list(SHAPES)}")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {list(KINDS)}")
+    ap.add_argument("--compile", default="off", choices=["off", "on", "both"], help="train.compile (both: each)")
+    ap.add_argument("--ac", default="auto", choices=["auto", "on", "off"],
+                    help="activation checkpointing; auto: the shape's default (on for 1.5b-32k)")
+    ap.add_argument("--loss", default="auto", choices=["auto", "liger", "chunked", "plain"], help="train.loss")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps (the median is reported)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per (shape, kind) run")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if not args.worker:
+        for name, allowed in (("shapes", SHAPES), ("kinds", KINDS)):
+            bad = [x for x in getattr(args, name).split(",") if x not in allowed]
+            if bad:
+                ap.error(f"--{name}: unknown {bad}; choose from {list(allowed)}")
+        if args.steps < 1 or args.warmup < 0:
+            ap.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    shapes, kinds = args.shapes.split(","), args.kinds.split(",")
+    compiles = ["off", "on"] if args.compile == "both" else [args.compile]
+    info = device_info()
+    print(f"# model_step on {info['device']} (torch {info['torch']}), loss={args.loss}, warmup {args.warmup}, "
+          f"steps {args.steps}", flush=True)
+    rows = []
+    for shape in shapes:
+        ac = ("on" if SHAPES[shape][3] else "off") if args.ac == "auto" else args.ac
+        for comp in compiles:
+            for kind in kinds:
+                t0 = time.time()
+                r = {"shape": shape, "kind": kind, "compile": comp, "ac": ac,
+                     **run_one(shape, kind, comp, ac, args), "wall_s": None}
+                r["wall_s"] = round(time.time() - t0, 1)
+                rows.append(r)
+                figure = f"{r['ms_per_step']:.1f} ms/step" if r["status"] == "ok" else r["status"]
+                print(f"  {shape} {kind} compile={comp} ac={ac}: {figure} ({r['wall_s']} s)", flush=True)
+        print("\n" + table([r for r in rows if r["shape"] == shape], shape) + "\n", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps")}
+    out.write_text(json.dumps({**info, "settings": settings, "results": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,144 @@
+"""The LM head and its loss: summed cross-entropy of `h @ W^T` against the labels, with or without the logits.
+
+Implementations (`train.loss`):
+- plain: logits (N, V) materialised, then `F.cross_entropy` in fp32 (the reference).
+- chunked: pure PyTorch; rows in chunks, each chunk's logits live only while its loss and its gradients
+  (w.r.t. h and W, computed in the forward when a backward will follow) are taken, so at most one chunk of
+  logits exists at a time and nothing is recomputed. The backward only scales the stored gradients.
+- liger: liger-kernel's fused linear cross-entropy (Triton, CUDA; the same scheme with fused kernels).
+- auto: liger on CUDA when liger-kernel is importable, else chunked.
+
+Every implementation sums over the targets that are not IGNORE_INDEX (padding, document ends) and takes the
+softmax over the padded vocabulary, as the plain loss does. Under autocast the matmul runs in the autocast
+dtype and the softmax in fp32, as for `F.linear` + `.float()` + `F.cross_entropy`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # data.loader.IGNORE_INDEX (not imported: model code does not depend on the data package)
+LOSS_IMPLS = ("auto", "liger", "chunked", "plain")
+CHUNK_ELEMENTS = 1 << 25  # logits elements per chunk of the chunked loss (128 MiB in fp32)
+
+
+def liger_available() -> bool:
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_loss_impl(impl: str, device: torch.device | str) -> str:
+    """'plain' | 'chunked' | 'liger' for `impl` on `device`; ValueError naming the problem otherwise."""
+    dev = torch.device(device).type
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"invalid config train.loss={impl!r}: choose one of {list(LOSS_IMPLS)}")
+    if impl == "auto":
+        return "liger" if dev == "cuda" and liger_available() else "chunked"
+    if impl == "liger" and dev != "cuda":
+        raise ValueError(f"invalid config train.loss='liger': liger-kernel needs a CUDA device (this run is on "
+                         f"{dev}); use train.loss=chunked or auto")
+    if impl == "liger" and not liger_available():
+        raise ValueError("invalid config train.loss='liger': liger-kernel is not installed "
+                         "(pip install -e '.[gpu]'), or use train.loss=chunked or auto")
+    return impl
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """() fp32: cross-entropy summed over the targets that are not IGNORE_INDEX. logits (..., V), labels (...)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed CE of h @ w^T; gradients taken chunk by chunk in the forward, scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, chunk_rows: int, grad_h: bool, grad_w: bool):
+        # h (N, d), w (V, d), labels (N,) int64
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        gh = torch.empty_like(h) if grad_h else None  # (N, d)
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if grad_w else None  # (V, d) fp32 sum
+        for s in range(0, h.shape[0], chunk_rows):
+            hc, y = h[s:s + chunk_rows], labels[s:s + chunk_rows]  # (n, d), (n,)
+            valid = y != IGNORE_INDEX
+            y0 = y.clamp_min(0).unsqueeze(1)  # (n, 1)
+            logits = (hc @ w.t()).float()  # (n, V): the only logits alive
+            lse = torch.logsumexp(logits, dim=-1)  # (n,)
+            loss += torch.where(valid, lse - logits.gather(1, y0).squeeze(1), 0.0).sum()
+            if not (grad_h or grad_w):
+                continue
+            # d(loss)/d(logits) = softmax - onehot(y), zero on ignored rows; in place over the logits
+            g = logits.sub_(lse.unsqueeze(1)).exp_()
+            g.scatter_add_(1, y0, -valid.to(g.dtype).unsqueeze(1))
+            g = g.mul_(valid.unsqueeze(1)).to(h.dtype)  # (n, V) in the matmul dtype, as autograd would cast
+            if grad_h:
+                gh[s:s + chunk_rows] = g @ w
+            if grad_w:
+                gw += (g.t() @ hc).float()
+            del g, logits
+        ctx.save_for_backward(gh, gw)
+        ctx.w_dtype = w.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gh, gw = ctx.saved_tensors
+        dh = gh * grad_out.to(gh.dtype) if gh is not None else None
+        dw = (gw * grad_out).to(ctx.w_dtype) if gw is not None else None
+        return dh, dw, None, None, None, None
+
+
+def _autocast_operands(h: torch.Tensor, w: torch.Tensor):
+    """(h, w) cast to the autocast dtype when autocast is on for their device (differentiable casts)."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return h.to(dt), w.to(dt)
+    return h, w
+
+
+def chunked_loss_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 0) -> torch.Tensor:
+    """() fp32 summed CE of h (N, d) @ w (V, d)^T against labels (N,), one chunk of rows at a time.
+    chunk_rows: 0 = CHUNK_ELEMENTS // V."""
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // w.shape[0])
+    need = torch.is_grad_enabled()
+    hc, wc = _autocast_operands(h, w)
+    with torch.autocast(h.device.type, enabled=False):
+        return _ChunkedLinearCrossEntropy.apply(hc, wc, labels, rows, need and hc.requires_grad,
+                                                need and wc.requires_grad)
+
+
+def liger_loss_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """() fp32 summed CE through liger-kernel's fused linear cross-entropy (CUDA). It handles autocast itself;
+    the weight gradient is accumulated in fp32. Note: it reads the number of valid targets on the host."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    return liger_fused_linear_cross_entropy(h, w, labels, ignore_index=IGNORE_INDEX, reduction="sum",
+                                            accum_dtype=torch.float32).float()
+
+
+def linear_cross_entropy_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
+                             impl: str = "auto") -> torch.Tensor:
+    """() fp32 CE of the logits h @ w^T summed over the valid targets. h (..., d), w (V, d), labels (...)."""
+    impl = resolve_loss_impl(impl, h.device)
+    h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)  # (N, d), (N,)
+    if impl == "plain":
+        return lm_loss_sum(F.linear(h2, w), y)
+    if impl == "liger":
+        return liger_loss_sum(h2, w, y)
+    return chunked_loss_sum(h2, w, y)
+
+
+class LMHead(nn.Linear):
+    """The output projection (an nn.Linear: same parameter name and init). Called with `labels`, it returns
+    the summed loss instead of the logits, so FSDP's hooks on this module gather its weight as for logits."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__(dim, vocab, bias=False)
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, loss_impl: str = "auto") -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)  # (B, T, V) logits
+        return linear_cross_entropy_sum(h, self.weight, labels, loss_impl)  # () fp32

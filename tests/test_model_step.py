@@ -1,0 +1,53 @@
+"""benchmarks/model_step.py on CPU (tiny shape, 2 steps), and the one MFU formula it shares with the trainer."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from logo.config import AttentionConfig, model_config
+from logo.model.flops import attention_flops_per_token, mfu, realized_ratios, train_flops_per_token
+
+
+def test_model_step_cpu_smoke(tmp_path):
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "benchmarks/model_step.py", "--shapes", "tiny", "--kinds", "full,logo",
+                        "--steps", "2", "--warmup", "0", "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = res["results"]
+    assert [(r["shape"], r["kind"], r["status"]) for r in rows] == [("tiny", "full", "ok"), ("tiny", "logo", "ok")]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 64 / (r["ms_per_step"] / 1e3))
+        assert r["loss_impl"] == "chunked" and r["compile"] == "off" and r["ac"] == "off"
+    assert 0.2 < rows[1]["realized_ratio"] < 0.8  # thresholds held at 0.5: about half the rows global
+    assert "| kind | compile | ms/step |" in p.stdout and "| logo | off |" in p.stdout
+
+
+def test_model_step_rejects_unknown_filters():
+    p = subprocess.run([sys.executable, "benchmarks/model_step.py", "--kinds", "full,dense"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--kinds: unknown ['dense']" in p.stderr
+
+
+def test_mfu_uses_realized_logo_ratios():
+    """LoGo attention FLOPs follow the realized global ratio per layer; the target rho when none is given."""
+    T = 8192
+    logo = model_config("1.5b", attention=AttentionConfig(kind="logo", rho=0.5))
+    local = model_config("1.5b", attention=AttentionConfig(kind="local"))
+    full = model_config("1.5b", attention=AttentionConfig(kind="full"))
+    n = logo.n_layers
+    none_global = {i: 0.0 for i in range(n)}
+    all_global = {i: 1.0 for i in range(n)}
+    assert attention_flops_per_token(logo, T, none_global) == pytest.approx(attention_flops_per_token(local, T))
+    assert attention_flops_per_token(logo, T, all_global) == pytest.approx(
+        attention_flops_per_token(local, T) + attention_flops_per_token(full, T))
+    half = {i: 0.5 for i in range(n)}
+    assert attention_flops_per_token(logo, T, half) == pytest.approx(attention_flops_per_token(logo, T))
+    assert attention_flops_per_token(logo, T, {0: 1.0}) > attention_flops_per_token(logo, T)
+    metrics = {f"logo/ratio/layer_{i}": 0.25 for i in range(n)} | {"logo/ratio_mean": 0.25, "logo/threshold/layer_0": 1}
+    assert realized_ratios(metrics) == {i: 0.25 for i in range(n)}
+    fpt = train_flops_per_token(logo, T, 10**9, realized_ratios(metrics))
+    assert mfu(logo, T, 10**9, 1000.0, 1e15, realized_ratios(metrics)) == pytest.approx(fpt * 1000.0 / 1e15)
