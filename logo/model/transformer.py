@@ -25,7 +25,7 @@ ATTENTION_MODULES = {
 class ModelOutput(NamedTuple):
     logits: torch.Tensor  # (B, T, V_padded)
     aux_loss: torch.Tensor  # scalar; 0 unless attention.budget_control == "aux_loss"
-    routing: Optional[torch.Tensor]  # (n_logo_layers, 4) [selected, valid, sum p, sum p^2] or None
+    routing: Optional[torch.Tensor]  # (n_logo_layers, K) routing stats (logo.model.controller) or None
 
 
 class TransformerBlock(nn.Module):
