@@ -13,7 +13,8 @@ the last step's tokens lie above it, in one step. I_l (integral feedback, gain k
 the bias left by the gates moving between steps, and makes ties exact: with a flat gate (every p equal), F is
 1 or 0, b moves across the single occupied bin and, since b is the integral of k * (F - rho) and stays
 bounded, the mean of F over W steps is rho to within about 1/W (a sigma-delta modulator). With P-mask the
-quantile controller follows the same ramp b <- b + gamma until b reaches Q, then switches to the rule above.
+quantile controller follows the same ramp b <- b + gamma until b reaches Q or 0.5 (the end of the paper's
+ramp), then switches to the rule above; without P-mask (b0 = 0.5) it switches at once.
 
 The sign controller on a flat gate steps b back and forth across p every step: F alternates 1, 0 and averages
 0.5 whatever rho is (issue 13). The realized ratios are therefore kept per step in a ring buffer of the last
@@ -150,7 +151,9 @@ class BudgetController:
         self._integral = (self._integral + grow).clamp(c.rho - 1.0, c.rho)  # level stays in [0, 1]
         q = histogram_quantile(self._hist, 1.0 - c.rho + self._integral)  # (L,)
         seen = self._hist.sum(1) > 0
-        self._engaged = self._engaged | (seen & (b + c.gamma >= q))
+        # The ramp ends where the paper's P-mask ends (b reaches 0.5, the initial gate centre) or earlier, once
+        # b meets the quantile; from then on b follows the quantile (one step, whichever side it lies).
+        self._engaged = self._engaged | (seen & ((b + c.gamma >= q) | (b + c.gamma >= 0.5)))
         new_b = torch.where(self._engaged, q, b + c.gamma)
         return torch.where(seen, new_b, b)  # no gate seen yet: keep b
 
