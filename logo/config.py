@@ -11,7 +11,7 @@ from typing import Optional
 ATTENTION_KINDS = ("full", "local", "inter_layer", "intra_layer", "logo")
 TRANSFORMS = ("lp", "so", "shared", "full")
 FUSIONS = ("weighted", "additive")
-BUDGET_CONTROLS = ("threshold", "aux_loss")
+BUDGET_CONTROLS = ("threshold", "quantile", "aux_loss")
 GLOBAL_LAYER_KINDS = ("full", "logo")
 BACKENDS = ("auto", "reference", "triton")
 
@@ -41,8 +41,13 @@ class AttentionConfig:
     transform: str = "lp"  # branch transform phi: lp | so | shared | full
     context_norm: bool = True  # head-wise RMSNorm on each branch output before fusion
     fusion: str = "weighted"  # weighted: (1-p)*L + p*G ; additive: L + p*G   (selected tokens only)
-    budget_control: str = "threshold"  # threshold: sign controller ; aux_loss: differentiable ratio penalty
-    gamma: float = 0.0005  # threshold update rate
+    # threshold: the paper's sign controller (default) ; quantile: b at the (1 - rho) quantile of the last
+    # steps' gates plus integral feedback (budget-exact, logo/model/controller.py) ; aux_loss: ratio penalty
+    budget_control: str = "threshold"
+    gamma: float = 0.0005  # threshold update rate (quantile: only the P-mask ramp's rate)
+    quantile_gain: float = 0.5  # quantile: integral gain k, quantile level += k * (F - rho) per step
+    quantile_bins: int = 1025  # quantile: gate-logit histogram bins (odd: logit 0 is a bin centre)
+    quantile_decay: float = 0.0  # quantile: weight of older steps in the histogram (EMA; 0 = last step only)
     pmask: bool = True  # progressive masking: b0 = 0.5 - gamma * S ; off -> b0 = 0.5
     pmask_fraction: float = 0.2  # S as a fraction of the stage's optimizer steps
     threshold_init: Optional[float] = None  # derived by the training plan; None -> 0.5
@@ -71,6 +76,12 @@ class AttentionConfig:
             _fail("attention.backend", self.backend, f"choose one of {list(BACKENDS)}")
         if not (self.gamma > 0):
             _fail("attention.gamma", self.gamma, "the threshold update rate must be > 0")
+        if not (0.0 < self.quantile_gain < 2.0):
+            _fail("attention.quantile_gain", self.quantile_gain, "the integral gain must be in (0, 2) to be stable")
+        if not isinstance(self.quantile_bins, int) or self.quantile_bins < 3 or self.quantile_bins % 2 == 0:
+            _fail("attention.quantile_bins", self.quantile_bins, "must be an odd integer >= 3")
+        if not (0.0 <= self.quantile_decay < 1.0):
+            _fail("attention.quantile_decay", self.quantile_decay, "must be in [0, 1)")
         if not (0.0 <= self.pmask_fraction < 1.0):
             _fail("attention.pmask_fraction", self.pmask_fraction, "must be in [0, 1)")
         if self.aux_loss_coef < 0:

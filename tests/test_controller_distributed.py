@@ -22,10 +22,11 @@ FSDP_OPTIONS = {  # None: the plain model on each rank (tests/test_train_distrib
 STEPS, MICRO, B, T = 6, 2, 2, 24
 
 
-def build():
+def build(budget_control="threshold"):
     torch.manual_seed(0)
     cfg = model_config("tiny", vocab_size=200,
-                       attention=AttentionConfig(kind="logo", window=4, gamma=0.02, rho=0.3, threshold_init=0.5))
+                       attention=AttentionConfig(kind="logo", window=4, gamma=0.02, rho=0.3, threshold_init=0.5,
+                                                 budget_control=budget_control))
     model = Transformer(cfg)
     model.init_weights()
     with torch.no_grad():
@@ -51,11 +52,11 @@ def run_steps(model, ctrl, rows_for_step):
     return torch.stack(history)
 
 
-def _worker(rank, port, out_dir, fsdp):
+def _worker(rank, port, out_dir, fsdp, budget_control="threshold"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        model = build()
+        model = build(budget_control)
         if fsdp is not None:
             from torch.distributed.device_mesh import init_device_mesh
             from logo.parallelize import apply_fsdp
@@ -83,3 +84,14 @@ def test_thresholds_match_across_ranks_and_single_process(tmp_path, fsdp):
     single = run_steps(model, BudgetController(model), global_batch)
     assert torch.equal(r0, single)
     assert not torch.equal(single[0], single[-1])  # the thresholds really moved
+
+
+def test_quantile_thresholds_match_across_ranks_and_single_process(tmp_path):
+    """The quantile controller: histograms are summed over ranks before the quantile is read."""
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), None, "quantile"), nprocs=2, join=True)
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert torch.equal(r0, r1)
+    model = build("quantile")
+    single = run_steps(model, BudgetController(model), global_batch)
+    assert torch.equal(r0, single)
+    assert not torch.equal(single[0], single[-1])

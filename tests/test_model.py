@@ -151,7 +151,7 @@ def test_attention_flops_ordering_and_values():
 # --- budget controller -----------------------------------------------------------------------------
 
 def fake_stats(layers, selected, valid):
-    return torch.tensor([[selected, valid, 0.5 * valid, 0.25 * valid]] * layers, dtype=torch.float32)
+    return torch.tensor([[selected, valid, 0.5 * valid, 0.25 * valid, 0.0]] * layers, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("selected,expected_sign", [(60, 1), (40, -1), (50, 0)])

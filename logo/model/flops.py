@@ -54,6 +54,16 @@ def layer_global_fractions(cfg: ModelConfig, ratios: Optional[dict[int, float]] 
     return out
 
 
+def realized_global_fraction(cfg: ModelConfig, logo_ratios: list[float]) -> float:
+    """Global-attention (full-span) FLOPs as a fraction of full attention in every layer, with each LoGo layer at
+    its realized ratio (`logo_ratios`, in LoGo-layer order) instead of rho. Tokens are weighted alike whatever
+    their position (a causal global query at position t costs t keys: exact when selection is uniform in t)."""
+    ratios = iter(logo_ratios)
+    f = [next(ratios) if kind == "logo" else g
+         for kind, g in zip(cfg.attention.layer_kinds(cfg.n_layers), layer_global_fractions(cfg))]
+    return sum(f) / len(f)
+
+
 def attention_budget(cfg: ModelConfig) -> float:
     """Mean global fraction over layers: 1.0 for a Transformer, 0.5 for the paper's matched hybrids."""
     f = layer_global_fractions(cfg)

@@ -141,12 +141,12 @@ class LoGoAttention(QKVAttention):
         return torch.where(z[:, None, None], fused.to(o_local.dtype), o_local)
 
     def forward(self, x, cos, sin, seqs: PackedSeqs):
-        """x (B, T, d) -> out (B, T, d), aux_loss scalar or None, routing stats (4,)."""
+        """x (B, T, d) -> out (B, T, d), aux_loss scalar or None, routing stats (K,) (logo.model.controller)."""
         B, T, _ = x.shape
         o, p, z = self.mix(x, cos, sin, seqs)
         out = self.wo(o.view(B, T, -1))
         aux = self.aux_loss(p, seqs) if self.attn_cfg.budget_control == "aux_loss" else None
-        return out, aux, routing_stats(z, p, seqs.valid)
+        return out, aux, routing_stats(z, p, seqs.valid, self.threshold, self.attn_cfg)
 
     def aux_loss(self, p, seqs: PackedSeqs) -> torch.Tensor:
         """Auxiliary-loss budget control (ablation): lambda * (F_soft - rho)^2, where

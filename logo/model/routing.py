@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from logo.config import AttentionConfig
+from logo.model.controller import gate_histogram
 from logo.model.layers import PackedSeqs
 
 
@@ -42,11 +44,18 @@ def partition(z: torch.Tensor, seqs: PackedSeqs) -> Selection:
     return Selection(rows=rows, cu_seqlens_q=cu_q)
 
 
-def routing_stats(z: torch.Tensor, p: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(4,) fp32: [selected, valid, sum p, sum p^2] over valid tokens — summed over micro-batches and ranks."""
+def routing_stats(z: torch.Tensor, p: torch.Tensor, valid: torch.Tensor, threshold: torch.Tensor,
+                  cfg: AttentionConfig) -> torch.Tensor:
+    """(K,) fp32 over valid tokens, summed over micro-batches and ranks: [selected, valid, sum p, sum p^2,
+    gates within gamma of b], then for budget_control=quantile a gate-logit histogram (logo.model.controller)."""
     vf = valid.float()
-    pv = p.detach().float() * vf
-    return torch.stack((z.float().sum(), vf.sum(), pv.sum(), (pv * p.detach().float()).sum()))
+    pd = p.detach().float()
+    pv = pd * vf
+    near = ((pd - threshold.detach()).abs() <= cfg.gamma).float() * vf
+    stats = torch.stack((z.float().sum(), vf.sum(), pv.sum(), (pv * pd).sum(), near.sum()))
+    if cfg.budget_control != "quantile":
+        return stats
+    return torch.cat((stats, gate_histogram(pd, vf, cfg.quantile_bins)))
 
 
 def soft_ratio(p: torch.Tensor, threshold: torch.Tensor, valid: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ ATTENTION_MODULES = {
 class ModelOutput(NamedTuple):
     logits: Optional[torch.Tensor]  # (B, T, V_padded); None when the forward was given labels
     aux_loss: torch.Tensor  # scalar; 0 unless attention.budget_control == "aux_loss"
-    routing: Optional[torch.Tensor]  # (n_logo_layers, 4) [selected, valid, sum p, sum p^2] or None
+    routing: Optional[torch.Tensor]  # (n_logo_layers, K) routing stats (logo.model.controller) or None
     loss_sum: Optional[torch.Tensor] = None  # () fp32 LM loss summed over the valid labels, when labels were given
 
 

@@ -85,6 +85,8 @@ class LoggingConfig:
     wandb_mode: str = "auto"  # auto: online when logged in, else offline | online | offline
     tensorboard: bool = False
     heatmap_interval: int = 100  # steps between layers x steps ratio heatmap images
+    ratio_window: int = 0  # steps in logo/ratio_window/layer_i (the realized ratio over recent steps); 0: interval
+    budget_tolerance: float = 0.02  # warn when, after the P-mask ramp, a layer's windowed ratio is further from rho
 
 
 @dataclass
@@ -228,6 +230,10 @@ def validate(c: Config) -> None:
         v = getattr(c.parallel, name)
         if not isinstance(v, int) or not 0 <= v <= 4:
             _fail(f"parallel.{name}", v, "must be an integer in [0, 4] (units prefetched ahead)")
+    if not isinstance(c.logging.ratio_window, int) or c.logging.ratio_window < 0:
+        _fail("logging.ratio_window", c.logging.ratio_window, "must be an integer >= 0 (0 = logging.interval)")
+    if not (c.logging.budget_tolerance >= 0):
+        _fail("logging.budget_tolerance", c.logging.budget_tolerance, "must be >= 0 (0 = no budget warning)")
     if c.logging.wandb_mode not in ("auto", "online", "offline"):
         _fail("logging.wandb_mode", c.logging.wandb_mode, "choose auto, online or offline")
     for name, v in (("eval.interval", c.eval.interval), ("eval.tokens", c.eval.tokens),

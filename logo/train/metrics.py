@@ -15,6 +15,7 @@ from logo.train.config import LoggingConfig
 
 log = logging.getLogger("logo")
 RATIO_KEY = re.compile(r"^logo/ratio/layer_(\d+)$")
+WINDOW_KEY = re.compile(r"^logo/ratio_window/layer_(\d+)$")
 
 
 def wandb_logged_in() -> bool:
@@ -43,10 +44,40 @@ def console_line(step: int, steps: int, m: dict) -> str:
     if "memory_gib" in m:
         parts.append(f"mem {m['memory_gib']:.1f}GiB")
     if "logo/ratio_mean" in m:
-        parts.append(f"ratio {m['logo/ratio_mean']:.3f}")
+        win = f" (window {m['logo/ratio_window_mean']:.3f})" if "logo/ratio_window_mean" in m else ""
+        parts.append(f"ratio {m['logo/ratio_mean']:.3f}{win}")
         th = [v for k, v in m.items() if k.startswith("logo/threshold/")]
         parts.append(f"b {sum(th) / len(th):+.4f}")
     return " | ".join(parts)
+
+
+class BudgetWatch:
+    """Warns (one console line, at most once every `every` steps) when a LoGo layer's windowed realized ratio
+    is further than `tolerance` from rho, once the P-mask ramp is over and the window holds only later steps."""
+
+    def __init__(self, rho: float, tolerance: float, pmask_steps: int, window: int, every: Optional[int] = None,
+                 hint: str = ""):
+        self.rho, self.tolerance, self.window, self.hint = rho, tolerance, window, hint
+        self.start = pmask_steps + window
+        self.every = every if every is not None else 10 * window
+        self.next_step = 0
+
+    def check(self, step: int, m: dict) -> Optional[str]:
+        """The warning line logged at this step, or None."""
+        if self.tolerance <= 0 or step < self.start or step < self.next_step:
+            return None
+        off = {int(WINDOW_KEY.match(k).group(1)): v for k, v in m.items()
+               if WINDOW_KEY.match(k) and abs(v - self.rho) > self.tolerance}
+        if not off:
+            return None
+        self.next_step = step + self.every
+        worst = max(off, key=lambda i: abs(off[i] - self.rho))
+        others = "" if len(off) == 1 else " (also " + ", ".join(
+            f"layer {i}: {v:.3f}" for i, v in sorted(off.items()) if i != worst) + ")"
+        line = (f"LoGo budget: layer {worst} realized global ratio {off[worst]:.3f} over the last {self.window} "
+                f"steps, rho={self.rho:g} (tolerance {self.tolerance:g}){others}{self.hint}")
+        log.warning(line)
+        return line
 
 
 class MetricsLogger:

@@ -3,7 +3,7 @@
 `train_step` runs a step's micro-batches (forward, loss, backward, LoGo routing counts) and returns device
 tensors; `optimizer_step` applies the update on the device unless the step's loss or gradient norm is not
 finite: fused AdamW's `found_inf` skips the update inside the kernel (parameters, moments and step count
-unchanged), the LoGo thresholds are put back, and `DivergenceMonitor` remembers the first such step. The loop
+unchanged), the LoGo controller leaves its thresholds and state unchanged, and `DivergenceMonitor` remembers the first such step. The loop
 reads these tensors on the host only at logging and checkpoint steps (`read_back`), where
 `DivergenceMonitor.check` raises `TrainingDiverged` naming that step.
 
@@ -116,16 +116,6 @@ class DivergenceMonitor:
                 f"good checkpoint: {last_good() or 'none'}. Lower stage.lr or check the data, then re-run.")
 
 
-def _controller_step(ctrl, skip: torch.Tensor) -> None:
-    """ctrl.step(), with every threshold put back (on the device) when `skip`."""
-    ths = [layer.threshold for layer in ctrl.layers]
-    before = torch._foreach_mul(ths, 1.0) if ths else []
-    ctrl.step()
-    if ths:
-        keep = skip.to(ths[0].dtype)
-        torch._foreach_lerp_(ths, before, [keep] * len(ths))  # lerp(a, b, 1) == b and lerp(a, b, 0) == a exactly
-
-
 def optimizer_step(opt: torch.optim.Optimizer, sched, ctrl, out: StepOutput, monitor: DivergenceMonitor,
                    step: int) -> None:
     """The update of optimizer step `step` (1-based), skipped on the device when the step is not finite."""
@@ -135,7 +125,7 @@ def optimizer_step(opt: torch.optim.Optimizer, sched, ctrl, out: StepOutput, mon
     sched.step()
     opt.zero_grad(set_to_none=True)
     with phase("controller"):
-        _controller_step(ctrl, bad)
+        ctrl.step(skip=bad)  # a skipped step leaves the thresholds and the controller state unchanged
     monitor.record(step, bad, out)
 
 

@@ -34,7 +34,7 @@ from logo.model.lm_head import resolve_loss_impl
 from logo.parallelize import build_dp_mesh, parallelize
 from logo.train.checkpoint import Checkpointer, load_model_only, resolve_checkpoint
 from logo.train.config import Config
-from logo.train.metrics import MetricsLogger, console_line
+from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
 from logo.train.plan import Plan, make_plan
 from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
                              read_back, spread, train_step)
@@ -229,7 +229,12 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     sched = _lr_scheduler(opt, plan)
     loader = _build_data(cfg, plan, rank, world, device)
     heldout = HeldOutEval(cfg, plan, loader.loader, rank, world, device)  # eval.interval=0: does nothing
-    ctrl = BudgetController(model, process_group=None)  # the default group is the data-parallel group
+    window = cfg.logging.ratio_window or cfg.logging.interval
+    ctrl = BudgetController(model, process_group=None, window=window)  # default group = data-parallel group
+    a = cfg.model.attention
+    hint = "; try attention.budget_control=quantile (docs/model.md)" if a.budget_control == "threshold" else ""
+    watch = BudgetWatch(a.rho, cfg.logging.budget_tolerance if ctrl.layers else 0.0, plan.pmask_steps, window,
+                        hint=hint)
     host_group = _host_group(world)
 
     step, wandb_id = 0, None
@@ -237,6 +242,8 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
         st = ckpt.load(latest, model, opt)
         step, wandb_id = st["step"], st.get("wandb_id")
         sched.load_state_dict(st["lr_scheduler"])
+        if "controller" in st:  # identical on every rank: rank 0's copy serves all
+            ctrl.load_state_dict(st["controller"])
         loader.load_state_dict(st["data"])
         _set_rng_state(st["rng"])
         if rank == 0:
@@ -288,6 +295,8 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                 with phase("log"):
                     last = _log_step(step, plan, cfg.model, loss, grad_norm, lr, timer.durations(), peak, world,
                                      device, ctrl, host_group, metrics_log, bar, evaluated)
+                    if rank == 0:
+                        watch.check(step, last)
             if evaluated:
                 timer.restart()  # the held-out evaluation is not part of the next step's time
             if save_now:
@@ -295,7 +304,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                     gc.collect()
                     path = ckpt.save(step, model, opt, {
                         "step": step, "lr_scheduler": sched.state_dict(), "data": loader.state_dict(),
-                        "rng": _rng_states_all_ranks(), "wandb_id": metrics_log.wandb_id if metrics_log else None,
+                        "rng": _rng_states_all_ranks(), "controller": ctrl.state_dict(), "wandb_id": metrics_log.wandb_id if metrics_log else None,
                         "plan": plan.to_json()})
                 if rank == 0:
                     log.info("saved checkpoint %s", path)
