@@ -119,19 +119,25 @@ def test_import_back_is_exact(preset, tmp_path, tokens):
             assert torch.equal(m(tokens).logits, native.model(tokens).logits)
 
 
-def test_bf16_export_and_tokenizer(tmp_path):
-    make_run(tmp_path / "run", "logo")
+@pytest.mark.parametrize("preset", ["full", "logo"])
+def test_bf16_export_tokenizer_and_generate(preset, tmp_path, tokens):
+    make_run(tmp_path / "run", preset)
     out = export(tmp_path / "run", tmp_path / "hf")  # default bf16
-    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    remote = {"trust_remote_code": True} if preset != "full" else {}
+    hf = AutoModelForCausalLM.from_pretrained(out, **remote)
     assert hf.dtype == torch.bfloat16
     from data.tokenizer import load_tokenizer
     enc = load_tokenizer("cl100k_base")
-    tok = AutoTokenizer.from_pretrained(out)
-    text = "Hello world!  It's 12345 tokens\n\n\tÜber naïve 你好 🤖 end"
-    assert tok(text)["input_ids"] == enc.encode_ordinary(text)
-    assert tok.eos_token_id == enc.eot_token
-    gen = hf.generate(torch.tensor([enc.encode_ordinary(text)[:6]]), max_new_tokens=3, do_sample=False)
-    assert gen.shape == (1, 9)
+    tok = AutoTokenizer.from_pretrained(out, **remote)  # it reads config.json too, hence trust_remote_code
+    text = "Hello world!  It's 12345 tokens\n\n\tÜber naïve 你好 🤖 <|endoftext|> end"
+    assert tok(text)["input_ids"] == enc.encode(text, allowed_special="all")
+    assert tok.eos_token_id == enc.eot_token and tok.decode(enc.encode_ordinary(text)) == text
+    prompt = tokens[:1, :12]
+    gen = hf.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert gen.shape == (1, 16) and torch.equal(gen[:, :12], prompt)
+    with torch.no_grad():  # greedy: each new token is the argmax of the model's logits on the sequence so far
+        for j in range(12, 16):
+            assert int(hf(gen[:, :j]).logits[0, -1].argmax()) == int(gen[0, j])
 
 
 def test_llama_folder_made_by_transformers_imports_into_logo(tmp_path, tokens):
