@@ -219,3 +219,45 @@ def test_bad_inputs(tmp_path):
         with pytest.raises(ExportError) as e:
             load_into(Transformer(compose([*SMALL, "attention=logo"])[0].model), bad, strict=False)
         assert want in _one_line(e)
+
+
+# --- through train.py and the CLI ------------------------------------------------------------------------------
+
+def test_trained_logo_run_exports_through_cli(tmp_path, default_corpus, tokens):
+    """A tiny LoGo model trained 2 steps by train.py, exported by `python -m logo.export`, equals in transformers."""
+    import subprocess
+    import sys
+    from conftest import ROOT, TINY_RUN, run_train
+    run_train(*TINY_RUN, "attention=logo", "train.steps=2", f"run.dir={tmp_path / 'run'}")
+    cli = [sys.executable, "-m", "logo.export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "fp32"]
+    p = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    again = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=300)  # non-empty, no --force
+    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0 and "--force" in again.stderr
+    native = logo.load_pretrained(tmp_path / "run", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32).eval()
+    x = torch.randint(0, 100277, (2, 48))  # longer than the window (16)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, native.model(x).logits, atol=1e-4, rtol=0)
+    th = json.loads((tmp_path / "hf" / "config.json").read_text())["thresholds"]
+    assert th == [float(layer.threshold) for layer in native.model.logo_layers()]
+
+
+def test_train_logo_from_transformers_llama_folder(tmp_path, default_corpus):
+    """init_from=hf:DIR with a Llama folder written by transformers: LoGo trains a step, with the P-mask ramp."""
+    from conftest import TINY_RUN, read_metrics, run_train
+    cfg, _, _ = compose([*TINY_RUN, "attention=logo", "train.steps=1"])
+    c = cfg.model
+    LlamaForCausalLM(LlamaConfig(vocab_size=c.padded_vocab_size, hidden_size=c.dim, intermediate_size=c.hidden_dim,
+                                 num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+                                 num_key_value_heads=c.n_heads, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "llama")
+    run = tmp_path / "run"
+    p = run_train(*TINY_RUN, "attention=logo", "train.steps=4", f"checkpoint.init_from=hf:{tmp_path / 'llama'}",
+                  f"run.dir={run}")
+    assert "keep their identity initialisation" in p.stdout + p.stderr
+    assert json.loads((run / "plan.json").read_text())["pmask_steps"] > 0  # no thresholds in the folder
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+    bad = run_train(*TINY_RUN, "attention=logo", "model.n_heads=2", "train.steps=1",
+                    f"checkpoint.init_from=hf:{tmp_path / 'llama'}", f"run.dir={tmp_path / 'run2'}", check=False)
+    assert bad.returncode != 0 and "num_attention_heads=4 does not match the model's 2" in bad.stderr
