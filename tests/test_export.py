@@ -223,6 +223,7 @@ def test_bad_inputs(tmp_path):
 
 # --- through train.py and the CLI ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_trained_logo_run_exports_through_cli(tmp_path, default_corpus, tokens):
     """A tiny LoGo model trained 2 steps by train.py, exported by `python -m logo.export`, equals in transformers."""
     import subprocess
@@ -243,6 +244,7 @@ def test_trained_logo_run_exports_through_cli(tmp_path, default_corpus, tokens):
     assert th == [float(layer.threshold) for layer in native.model.logo_layers()]
 
 
+@pytest.mark.slow
 def test_train_logo_from_transformers_llama_folder(tmp_path, default_corpus):
     """init_from=hf:DIR with a Llama folder written by transformers: LoGo trains a step, with the P-mask ramp."""
     from conftest import TINY_RUN, read_metrics, run_train

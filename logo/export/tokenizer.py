@@ -8,6 +8,7 @@ in the text become their ids (the project's own data path uses `encode_ordinary`
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 
@@ -35,16 +36,28 @@ def _tokenizer_json(name: str) -> str:
     return _FromEncoding(vocab_file=None, pattern=enc._pat_str, extra_special_tokens=specials).converted().to_str()
 
 
-def save_tokenizer(name: str, out: Path, max_length: int) -> int:
-    """Write tokenizer.json + tokenizer_config.json for tiktoken encoding `name`; returns the end-of-text id."""
+@functools.lru_cache(maxsize=2)
+def _saved_files(name: str) -> tuple[tuple[str, bytes], ...]:
+    """The files `save_pretrained` writes for encoding `name` (built once per process: ~10 s for cl100k)."""
+    import tempfile
+
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     from data.tokenizer import load_tokenizer
-    eot = load_tokenizer(name).eot_token
     tok = Tokenizer.from_str(_tokenizer_json(name))
-    eot_str = tok.id_to_token(eot)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot_str, eos_token=eot_str,
-                                   model_max_length=max_length)
-    fast.save_pretrained(str(out))
-    return eot
+    eot_str = tok.id_to_token(load_tokenizer(name).eot_token)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot_str, eos_token=eot_str)
+    with tempfile.TemporaryDirectory() as d:
+        fast.save_pretrained(d)
+        return tuple((f.name, f.read_bytes()) for f in sorted(Path(d).iterdir()))
+
+
+def save_tokenizer(name: str, out: Path, max_length: int) -> int:
+    """Write tokenizer.json + tokenizer_config.json for tiktoken encoding `name`; returns the end-of-text id."""
+    from data.tokenizer import load_tokenizer
+    for fname, data in _saved_files(name):
+        if fname == "tokenizer_config.json":
+            data = json.dumps({**json.loads(data), "model_max_length": max_length}, indent=2).encode()
+        (Path(out) / fname).write_bytes(data)
+    return load_tokenizer(name).eot_token
