@@ -260,6 +260,13 @@ def test_train_logo_from_transformers_llama_folder(tmp_path, default_corpus):
     assert "keep their identity initialisation" in p.stdout + p.stderr
     assert json.loads((run / "plan.json").read_text())["pmask_steps"] > 0  # no thresholds in the folder
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+    # Two ranks (FSDP2 over gloo): every rank reads the folder and the full state dict is sharded on load; the
+    # first step's loss (before any update) equals the one-process run's.
+    run2 = tmp_path / "run_dp"
+    run_train(*TINY_RUN, "attention=logo", "train.steps=1", f"checkpoint.init_from=hf:{tmp_path / 'llama'}",
+              f"run.dir={run2}", nproc=2)
+    first = [r["loss"] for r in read_metrics(run) if "loss" in r][0]
+    assert [r["loss"] for r in read_metrics(run2) if "loss" in r][0] == pytest.approx(first, rel=1e-4)
     bad = run_train(*TINY_RUN, "attention=logo", "model.n_heads=2", "train.steps=1",
                     f"checkpoint.init_from=hf:{tmp_path / 'llama'}", f"run.dir={tmp_path / 'run2'}", check=False)
     assert bad.returncode != 0 and "num_attention_heads=4 does not match the model's 2" in bad.stderr
