@@ -270,3 +270,22 @@ def test_train_logo_from_transformers_llama_folder(tmp_path, default_corpus):
     bad = run_train(*TINY_RUN, "attention=logo", "model.n_heads=2", "train.steps=1",
                     f"checkpoint.init_from=hf:{tmp_path / 'llama'}", f"run.dir={tmp_path / 'run2'}", check=False)
     assert bad.returncode != 0 and "num_attention_heads=4 does not match the model's 2" in bad.stderr
+
+
+# --- GPU: the remote code on CUDA ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", ["full", "logo", "intra_layer", "logo_full_params"])
+def test_export_loads_and_generates_on_gpu(preset, tmp_path, tokens):
+    """fp32 on CUDA (no TF32) within 1e-3 of the native model's fp32 reference on CPU; bf16 generate runs."""
+    make_run(tmp_path / "run", preset)
+    out = export(tmp_path / "run", tmp_path / "hf", dtype="fp32", device="cuda")  # native model built on CUDA
+    native = logo.load_pretrained(tmp_path / "run", device="cpu")
+    remote = {"trust_remote_code": True} if preset != "full" else {}
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **remote).cuda().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens.cuda()).logits.cpu(), native.model(tokens).logits, atol=1e-3, rtol=0)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, **remote).cuda().eval()
+    gen = hf.generate(tokens[:1, :12].cuda(), max_new_tokens=4, do_sample=False)
+    assert gen.shape == (1, 16)
