@@ -11,8 +11,6 @@ import re
 
 import torch
 
-from logo.config import ModelConfig
-
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 # native suffix under layers.{i}. -> (HF suffix under model.layers.{i}., how its channels move)
@@ -107,7 +105,3 @@ def is_logo_only(native_name: str) -> bool:
     """A LoGo-layer parameter that a plain Llama folder does not have (it keeps its identity init)."""
     m = _LAYER_KEY.match(native_name)
     return bool(m) and m.group(2) in LOGO_ONLY
-
-
-def hf_layer_kinds(cfg: ModelConfig) -> list[str]:
-    return cfg.attention.layer_kinds(cfg.n_layers)
