@@ -1,7 +1,9 @@
-"""Load a trained model for evaluation: a run directory (its latest checkpoint) or one checkpoint folder.
+"""Load a trained model: a run directory (its latest checkpoint), one checkpoint folder or an exported
+Hugging Face folder. `logo.load_pretrained` is this module's `load_model`.
 
-Until a one-call `logo.load_pretrained` exists this is the evaluation entry point: the model is rebuilt from
-the run's `config.yaml`, its weights and LoGo thresholds come from the checkpoint (DCP, strict).
+A run's model is rebuilt from its `config.yaml`, weights and LoGo thresholds come from the checkpoint (DCP,
+strict). An exported folder (`python -m logo.export`) or a Llama-architecture folder is rebuilt from its
+config.json (`logo.export.reader`), strict as well.
 """
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import torch
 from omegaconf import OmegaConf
 
 from logo.config import ConfigError
+from logo.export.reader import is_hf_folder, native_from_folder
 from logo.model import Transformer
 from logo.train.checkpoint import TRAIN_STATE, CheckpointError, load_model_only, resolve_checkpoint
-from logo.train.config import Config, to_dataclass
+from logo.train.config import Config, DataConfig, StageConfig, to_dataclass
 
 DTYPES = ("auto", "fp32", "bf16")
 
@@ -29,7 +32,7 @@ class EvalError(ValueError):
 class Loaded:
     model: Transformer  # eval mode, on `device`, fp32 weights (bf16 runs under `autocast()`)
     cfg: Config  # the run's validated config
-    run_dir: Path
+    run_dir: Path  # the run directory, or the exported folder itself
     checkpoint: Path
     step: int  # optimizer steps the checkpoint was trained for
     device: torch.device
@@ -69,18 +72,24 @@ def pick_device(device: Optional[str]) -> torch.device:
 
 
 def load_model(path, device: Optional[str] = None, dtype: str = "auto") -> Loaded:
-    """Model (eval mode) + config from a run directory or a checkpoints/step_N folder."""
+    """Model (eval mode) + config from a run directory, a checkpoints/step_N folder or a Hugging Face folder."""
     if dtype not in DTYPES:
         raise ConfigError(f"invalid dtype {dtype!r}: choose one of {list(DTYPES)}")
+    dev = pick_device(device)
+    resolved = ("bf16" if dev.type == "cuda" else "fp32") if dtype == "auto" else dtype
+    if is_hf_folder(path):
+        model, mcfg, meta = native_from_folder(path, dev)
+        seq_len = int(meta.get("seq_len") or 0) or StageConfig().seq_len
+        cfg = Config(model=mcfg, attention=mcfg.attention, stage=StageConfig(seq_len=seq_len),
+                     data=DataConfig(tokenizer=meta.get("tokenizer", "cl100k_base")))
+        return Loaded(model, cfg, Path(path), Path(path), int(meta.get("step", 0)), dev, resolved)
     ckpt = resolve_checkpoint(path)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     cfg = run_config(run_dir)
-    dev = pick_device(device)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=dev)
     load_model_only(ckpt, model)
     model.eval()
     step = int(torch.load(ckpt / TRAIN_STATE, weights_only=False, map_location="cpu").get("step", 0))
-    resolved = ("bf16" if dev.type == "cuda" else "fp32") if dtype == "auto" else dtype
     return Loaded(model, cfg, run_dir, ckpt, step, dev, resolved)

@@ -72,7 +72,9 @@ class DataConfig:
 class CheckpointConfig:
     interval: int = 100  # steps between checkpoints (and one at the end)
     keep: int = 3  # keep the last k
-    init_from: str = ""  # a previous stage's checkpoint: model + thresholds only (context extension)
+    # A previous stage's checkpoint (run dir or step folder): model + thresholds only (context extension); or
+    # hf:DIR, a Hugging Face folder of matching shape (a logo export or a Llama model; docs/export.md).
+    init_from: str = ""
     resume: bool = True  # resume automatically from the run's latest complete checkpoint
 
 

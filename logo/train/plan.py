@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from logo.config import ConfigError
+from logo.export.reader import has_thresholds
 from logo.model import Transformer
 from logo.model.flops import attention_budget, attention_flops_per_token, param_counts, train_flops_per_token
 from logo.train.config import Config
@@ -89,8 +90,11 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "") -> Plan:
     if t.steps > 0:
         tokens = steps * s.global_batch_tokens
     a = cfg.model.attention
-    # A stage that starts from a previous stage's checkpoint keeps its thresholds: no new P-mask ramp.
-    pmask_steps = int(round(a.pmask_fraction * steps)) if a.pmask and not cfg.checkpoint.init_from else 0
+    # A stage that starts from a previous stage's checkpoint keeps its thresholds: no new P-mask ramp. A Hugging
+    # Face folder without LoGo thresholds (a plain Transformer converted to LoGo) gets the ramp like a fresh run.
+    init = cfg.checkpoint.init_from
+    keeps_thresholds = bool(init) and (not init.startswith("hf:") or has_thresholds(init))
+    pmask_steps = int(round(a.pmask_fraction * steps)) if a.pmask and not keeps_thresholds else 0
     name = run_name(cfg, attention_name or cfg.model.attention.kind)
     run_dir = cfg.run.dir or str(Path("runs") / name)
     return Plan(run_name=name, run_dir=run_dir, world_size=world_size, params_total=total,

@@ -28,6 +28,7 @@ from data.loader import ShardDataset, TokenLoader
 from data.prefetch import StepLoader
 from logo.config import ConfigError
 from logo.eval.heldout import HeldOutEval
+from logo.export.reader import check_compatible, load_into, read_config, strip_prefix
 from logo.model import BudgetController, Transformer
 from logo.model.flops import mfu, peak_bf16_flops, realized_ratios
 from logo.model.lm_head import resolve_loss_impl
@@ -196,6 +197,29 @@ def _threshold_spread(ctrl: BudgetController) -> float:
     return spread
 
 
+def check_init_from(cfg: Config):
+    """checkpoint.init_from, checked before anything is built: a complete checkpoint, or 'hf:DIR' whose
+    config.json matches the model's shape (one-line errors otherwise)."""
+    hf_dir = strip_prefix(cfg.checkpoint.init_from)
+    if hf_dir is None:
+        return resolve_checkpoint(cfg.checkpoint.init_from)
+    check_compatible(read_config(hf_dir), cfg.model, hf_dir)
+    return cfg.checkpoint.init_from
+
+
+def load_init_from(init_from, model) -> None:
+    """Weights and thresholds of a DCP checkpoint (strict), or of a Hugging Face folder: shared weights must all
+    be there; LoGo-only parameters and thresholds a plain Llama folder lacks keep their initialisation."""
+    hf_dir = strip_prefix(str(init_from))
+    if hf_dir is None:
+        load_model_only(init_from, model)
+        return
+    info = load_into(model, hf_dir, strict=False)
+    if info["kept_init"]:
+        log.info("%s: %d LoGo parameter(s) keep their identity initialisation (not in the folder)", hf_dir,
+                 len(info["kept_init"]))
+
+
 def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, save_final: bool = True) -> dict:
     """Run (or resume) the training described by cfg; returns the final metrics.
     `on_step_end(step)` is called after every step (benchmarks/profile_step.py steps its profiler with it);
@@ -208,7 +232,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     # Resume wins over init_from; either is checked before anything is built, so a bad path fails at once.
     ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
     latest = ckpt.latest() if cfg.checkpoint.resume else None
-    init_from = resolve_checkpoint(cfg.checkpoint.init_from) if cfg.checkpoint.init_from and latest is None else None
+    init_from = check_init_from(cfg) if cfg.checkpoint.init_from and latest is None else None
     if rank == 0:
         plan.write(run_dir)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
@@ -249,7 +273,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
         if rank == 0:
             log.info("resumed from %s (step %d)", latest, step)
     elif init_from is not None:  # a fresh stage that starts from the previous stage's weights and thresholds
-        load_model_only(init_from, model)
+        load_init_from(init_from, model)
         if rank == 0:
             log.info("initialized model and thresholds from %s (fresh optimizer, schedule and data)", init_from)
 

@@ -1,0 +1,124 @@
+"""Write a Hugging Face folder from a loaded native model (weights, config, generation config, tokenizer, code).
+
+attention=full -> a plain Llama folder (model_type "llama", no custom code). Every other kind -> model_type
+"logo" with `configuration_logo.py` / `modeling_logo.py` next to the weights, registered through `auto_map`.
+The padded vocabulary rows are kept (vocab_size = the padded size), so logits match the native model's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from logo.export.convert import to_hf
+from logo.export.reader import ExportError
+
+REMOTE_DIR = Path(__file__).with_name("remote")
+REMOTE_FILES = ("configuration_logo.py", "modeling_logo.py")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MAX_SHARD = "5GB"
+
+
+def project_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("logo")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def provenance(loaded) -> dict:
+    """What the exported config records about its origin (read back by `logo.export.reader.model_config`)."""
+    m = dataclasses.asdict(loaded.model.cfg)
+    attn = m.pop("attention")
+    return {"version": project_version(), "step": loaded.step, "source": str(loaded.checkpoint),
+            "model": m, "attention": attn, "seq_len": loaded.seq_len, "tokenizer": loaded.cfg.data.tokenizer}
+
+
+def hf_config(loaded, dtype: str, eot: int):
+    """A LlamaConfig (full attention) or the remote LogoConfig describing `loaded.model`."""
+    model, cfg = loaded.model, loaded.model.cfg
+    common = dict(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
+                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, head_dim=cfg.head_dim,
+                  rms_norm_eps=cfg.norm_eps, max_position_embeddings=loaded.seq_len, tie_word_embeddings=False,
+                  bos_token_id=eot, eos_token_id=eot, logo=provenance(loaded),
+                  dtype="bfloat16" if dtype == "bf16" else "float32")
+    if cfg.attention.kind == "full":
+        from transformers import LlamaConfig
+        return LlamaConfig(num_key_value_heads=cfg.n_heads, rope_theta=cfg.rope_theta, hidden_act="silu",
+                           attention_bias=False, mlp_bias=False, **common)
+    from logo.export.remote.configuration_logo import LogoConfig
+    a = cfg.attention
+    kinds = a.layer_kinds(cfg.n_layers)
+    thresholds = [float(model.layers[str(i)].attention.threshold) if k == "logo" else None
+                  for i, k in enumerate(kinds)]
+    c = LogoConfig(rope_theta=cfg.rope_theta, layer_kinds=kinds, window=a.window,
+                   num_global_heads=a.num_global_heads(cfg.n_heads) if a.kind == "intra_layer" else 0,
+                   transform=a.transform, context_norm=a.context_norm, fusion=a.fusion, thresholds=thresholds,
+                   **common)
+    c.auto_map = {"AutoConfig": "configuration_logo.LogoConfig",
+                  "AutoModelForCausalLM": "modeling_logo.LogoForCausalLM"}
+    c.architectures = ["LogoForCausalLM"]
+    return c
+
+
+def write_weights(out: Path, state: dict[str, torch.Tensor]) -> None:
+    """model.safetensors, or shards near 5 GB with model.safetensors.index.json."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    split = split_torch_state_dict_into_shards(state, max_shard_size=MAX_SHARD,
+                                               filename_pattern="model{suffix}.safetensors")
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, str(out / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def write_folder(loaded, out: Path, dtype: str) -> None:
+    """Everything of an export into `out` (an empty folder)."""
+    from transformers import GenerationConfig
+
+    from logo.export.tokenizer import save_tokenizer
+    cfg = loaded.model.cfg
+    eot = save_tokenizer(loaded.cfg.data.tokenizer, out, loaded.seq_len)
+    state = {k: v.detach().to("cpu", DTYPES[dtype]) for k, v in loaded.model.state_dict().items()}
+    write_weights(out, to_hf(state, cfg.head_dim))
+    config = hf_config(loaded, dtype, eot)
+    config.save_pretrained(str(out))
+    cached = cfg.attention.kind == "full"  # the remote code re-encodes instead of caching
+    GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, do_sample=False,
+                     use_cache=cached).save_pretrained(str(out))
+    if not cached:
+        for name in REMOTE_FILES:
+            shutil.copyfile(REMOTE_DIR / name, out / name)
+
+
+def export(path, out, dtype: str = "bf16", force: bool = False, device: str = "cpu") -> Path:
+    """Export a run directory, a checkpoint folder or an exported folder to a Hugging Face folder `out`.
+    Written to a temporary sibling folder and renamed at the end: `out` never holds a partial export."""
+    from logo.config import ConfigError
+    from logo.eval.load import load_model
+    if dtype not in DTYPES:
+        raise ConfigError(f"invalid dtype {dtype!r}: choose one of {list(DTYPES)}")
+    out = Path(out)
+    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"output folder {out} is not empty; pass --force to replace it")
+    loaded = load_model(path, device=device, dtype="fp32")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_folder(loaded, tmp, dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(tmp, out)
+    return out
