@@ -30,7 +30,7 @@ def build():
     model.init_weights()
     with torch.no_grad():
         for layer in model.logo_layers():
-            layer.gate.normal_(0, 0.5)
+            layer.gate.weight.normal_(0, 0.5)
     return model
 
 
