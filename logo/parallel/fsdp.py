@@ -1,7 +1,7 @@
 """Apply parallelism and memory/speed wrappers to a plain `Transformer`.
 
-The model module knows nothing of what happens here. Order (as in torchtitan): torch.compile of each block,
-activation checkpointing (torchtitan's `apply_ac`), then FSDP2 data parallelism: `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
+The model module knows nothing of what happens here. Order (as in torchtitan): tensor/sequence parallelism
+(`logo/parallel/tp.py`), torch.compile of each block, activation checkpointing (torchtitan's `apply_ac`), then FSDP2 data parallelism: `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
 `MixedPrecisionPolicy`. FSDP averages gradients over the data-parallel ranks (its default: a custom divide
 factor needs ReduceOp.PREMUL_SUM, which gloo lacks); the trainer scales each rank's loss by the number of
 ranks and divides it by the global number of target tokens, so a step's gradient is the token mean over the
@@ -70,9 +70,15 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
 
 def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
-                fsdp: Optional[dict] = None) -> torch.nn.Module:
-    """In place: compile, then activation checkpointing, then FSDP2 over dp_mesh (when there is one).
-    `fsdp`: keyword options of `apply_fsdp` (reduce_dtype, reshard_after_forward, forward/backward_prefetch)."""
+                fsdp: Optional[dict] = None, tp_mesh: Optional[DeviceMesh] = None) -> torch.nn.Module:
+    """In place: tensor parallelism over tp_mesh, compile, activation checkpointing, then FSDP2 over dp_mesh (the
+    flattened dp_shard x cp mesh), each when there is one. `fsdp`: keyword options of `apply_fsdp`
+    (reduce_dtype, reshard_after_forward, forward/backward_prefetch)."""
+    if tp_mesh is not None:
+        from logo.parallel.tp import apply_tp
+        apply_tp(model, tp_mesh)
+        if dist.get_rank() == 0:
+            log.info("tensor + sequence parallel over %d ranks", tp_mesh.size())
     if compile_blocks:
         # Each block compiled in place (parameter names unchanged, so checkpoints do not depend on it). The
         # attention kernels are compile boundaries and LoGo routing has data-dependent shapes: Dynamo splits

@@ -29,7 +29,7 @@ from data.prefetch import StepLoader
 from logo.config import ConfigError
 from logo.eval.heldout import HeldOutEval
 from logo.model import BudgetController, Transformer
-from logo.parallelize import build_dp_mesh, parallelize
+from logo.parallel import ParallelDims, parallelize
 from logo.train.checkpoint import Checkpointer, load_model_only, resolve_checkpoint
 from logo.train.config import Config
 from logo.train.metrics import MetricsLogger, console_line
@@ -84,7 +84,8 @@ def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
-def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.device) -> StepLoader:
+def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.device,
+                dims: ParallelDims) -> StepLoader:
     if cfg.data.kind == "default":
         from data.default_corpus import ensure_default_corpus
         if rank == 0:
@@ -98,7 +99,8 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.de
     if ds.vocab_size and ds.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"invalid config model.vocab_size={cfg.model.vocab_size}: the corpus {path} has a "
                           f"vocabulary of {ds.vocab_size} tokens")
-    loader = TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, rank, world, cfg.data.seed,
+    # ranks of one data shard (its tp x cp ranks) read the same sequences
+    loader = TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, dims.data_rank, dims.dp, cfg.data.seed,
                          cfg.data.document_mask)
     return StepLoader(loader, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda", device=device)
 
@@ -206,16 +208,24 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     model.to_empty(device=device)
     model.init_weights()
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
-    dp_mesh = build_dp_mesh(device.type)
+    dims = ParallelDims.build(world, cfg.parallel.tp, cfg.parallel.cp, device.type)
+    if rank == 0 and world > 1:
+        log.info("%s", dims.describe())
+    dp_mesh = dims.submesh("dp_shard_cp")
     parallelize(model, dp_mesh, torch.bfloat16 if bf16 else torch.float32,
-                cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg))
+                cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg),
+                tp_mesh=dims.submesh("tp"))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and dp_mesh is None else nullcontext())
 
     opt = make_optimizer(model, plan.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, cfg.train.weight_decay)
     sched = _lr_scheduler(opt, plan)
-    loader = _build_data(cfg, plan, rank, world, device)
-    heldout = HeldOutEval(cfg, plan, loader.loader, rank, world, device)  # eval.interval=0: does nothing
-    ctrl = BudgetController(model, process_group=None)  # the default group is the data-parallel group
+    loader = _build_data(cfg, plan, rank, world, device, dims)
+    dp_cp_group = dims.mesh["dp_shard_cp"].get_group() if dims.mesh is not None else None
+    # eval.interval=0: does nothing; context-parallel ranks each evaluate whole sequences (no CP at eval)
+    heldout = HeldOutEval(cfg, plan, loader.loader, dims.data_rank, dims.dp, device,
+                          group=dims.mesh["dp_shard"].get_group() if dims.mesh is not None else None)
+    # routing counts summed over the ranks that see different tokens (dp x cp), never over tp (same tokens)
+    ctrl = BudgetController(model, process_group=dp_cp_group)
     host_group = _host_group(world)
 
     step, wandb_id = 0, None
@@ -252,7 +262,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
             with phase("data"):
                 data = loader.next_step()
             out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=cfg.train.grad_clip,
-                             world=world, sharded=dp_mesh is not None)
+                             sharded=dp_mesh is not None, dims=dims, window=cfg.model.attention.window)
             lr = opt.param_groups[0]["lr"]  # the learning rate of this step
             with phase("optimizer"):
                 optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
