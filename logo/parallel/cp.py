@@ -128,7 +128,11 @@ class ContextParallelOps:
         per_doc.index_add_(0, L.piece_doc, counts.long())
         cu_qg = torch.zeros_like(L.cu_global)
         cu_qg[1:] = torch.cumsum(per_doc, 0).to(torch.int32)
-        return _attend(q, self._gather_all(k), self._gather_all(v), pos, cu_qg, L.cu_global, scale, backend)
+        kg, vg = self._gather_all(k), self._gather_all(v)
+        o = _attend(q, kg, vg, pos, cu_qg, L.cu_global, scale, backend)
+        if q.shape[0] == 0:  # no query here: keep the gathers in the graph, so every rank runs their backward
+            o = o + 0.0 * (kg.sum() + vg.sum())
+        return o
 
     def causal_attention(self, q, k, v, cu_seqlens, scale: Optional[float], backend: str):
         return self.query_sparse_attention(q, k, v, self.layout.piece_pos, cu_seqlens, cu_seqlens, scale, backend)
