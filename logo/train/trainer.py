@@ -344,12 +344,19 @@ def _log_step(step: int, plan: Plan, loss: float, grad_norm: float, lr: float, d
 
 
 def dry_run(cfg: Config, resolved: dict, attention_name: str = "") -> Plan:
-    """Build the model on the meta device, print the plan and write <run_dir>/plan.json. No training."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """Build the model on the meta device, print the plan, the mesh and the per-GPU memory estimate, and write
+    <run_dir>/plan.json. No training. World size: $WORLD_SIZE under torchrun, else the run's SLURM resources
+    (launch.nodes x processes per node)."""
+    from logo.parallel.memory import estimate
+    la = cfg.launch
+    world = int(os.environ.get("WORLD_SIZE", "0")) or la.nodes * (la.procs_per_node or la.gpus_per_node or 1)
     plan = make_plan(cfg, world, attention_name)
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(plan.run_dir)
         plan.write(run_dir)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        print(f"dry run: {plan.run_name}\n{plan.table()}\nwrote {run_dir / 'plan.json'}")
+        mem = estimate(cfg.model, plan.seq_len, plan.micro_batch, plan.dp, plan.cp, plan.tp)
+        ac = "on" if cfg.train.activation_checkpointing else "off"
+        print(f"dry run: {plan.run_name}\n{plan.table()}\nper-GPU memory estimate (activation checkpointing is "
+              f"{ac} in this config; logo/parallel/memory.py):\n{mem.table()}\nwrote {run_dir / 'plan.json'}")
     return plan
