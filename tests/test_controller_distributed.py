@@ -58,7 +58,7 @@ def _worker(rank, port, out_dir, fsdp):
         model = build()
         if fsdp is not None:
             from torch.distributed.device_mesh import init_device_mesh
-            from logo.parallelize import apply_fsdp
+            from logo.parallel import apply_fsdp
             apply_fsdp(model, init_device_mesh("cpu", (2,)), torch.float32, **fsdp)
         ctrl = BudgetController(model, process_group=dist.group.WORLD)
         hist = run_steps(model, ctrl, lambda s: global_batch(s).chunk(2)[rank])
