@@ -150,3 +150,26 @@ def test_checkpoint_resumes_with_another_layout(single, tmp_path, resume_with):
     assert "resumed from" in p.stderr + p.stdout
     last = read_metrics(tmp_path)[-1]
     _assert_same_steps(single[-1:], [last])
+
+
+# ---- layout checks and the memory estimate ----------------------------------------------------------------
+
+def test_memory_estimate_and_layout_errors():
+    from logo.config import ConfigError, model_config
+    from logo.parallel import ParallelDims
+    from logo.parallel.cp import check_cp
+    from logo.parallel.memory import estimate
+    from logo.parallel.tp import check_tp
+    cfg = model_config("1.5b", attention=AttentionConfig(kind="logo"))
+    one = estimate(cfg, 131072, 1, 1, 4, 1)
+    preset = estimate(cfg, 131072, 1, 8, 8, 1)  # the 128k presets: 8 nodes x cp=8
+    assert preset.fits(80, ac=True) and not preset.fits(80, ac=False)
+    assert preset.activations < one.activations and preset.logits == one.logits / 2  # half the tokens per rank
+    assert estimate(cfg, 32768, 1, 1, 1, 2).activations < estimate(cfg, 32768, 1, 1, 1, 1).activations
+    with pytest.raises(ConfigError, match="parallel.tp=3"):
+        check_tp(cfg, 3)  # 16 heads
+    with pytest.raises(ConfigError, match="parallel.cp=4"):
+        check_cp(100, 4, 1)
+    with pytest.raises(ConfigError, match="parallel.tp=2, parallel.cp=2"):
+        ParallelDims.sizes(6, 2, 2)
+    assert (ParallelDims.sizes(8, 2, 2).dp, ParallelDims.sizes(8, 1, 1).dp) == (2, 8)

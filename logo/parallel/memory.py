@@ -49,8 +49,8 @@ class MemoryEstimate:
                 ("logits + CE", self.logits), ("total, no AC", self.total(False)), ("total, AC", self.total(True))]
         lines = [f"  {k:<28} {v:8.2f} GiB" for k, v in rows]
         for ac in (False, True):
-            fit = [f"{gb} GB: {'yes' if self.fits(gb, ac) else 'no'}" for gb in GPUS_GB]
-            lines.append(f"  fits ({'AC' if ac else 'no AC'}){'':<{19 - len('AC' if ac else 'no AC')}} " + ", ".join(fit))
+            fit = ", ".join(f"{gb} GB: {'yes' if self.fits(gb, ac) else 'no'}" for gb in GPUS_GB)
+            lines.append(f"  {'fits, ' + ('AC' if ac else 'no AC'):<28} {fit}")
         return "\n".join(lines)
 
 

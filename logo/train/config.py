@@ -232,6 +232,9 @@ def validate(c: Config) -> None:
     if c.parallel.cp > 1:
         from logo.parallel.cp import check_cp
         check_cp(c.stage.seq_len, c.parallel.cp, c.model.attention.window)
+        if not c.model.attention.document_mask:
+            _fail("parallel.cp", c.parallel.cp, "context parallelism needs attention.document_mask=true (use "
+                  "data.document_mask=false to attend across documents)")
         if c.parallel.tp > 1 and (c.stage.seq_len // c.parallel.cp) % c.parallel.tp:
             _fail("parallel.tp", c.parallel.tp, f"each context-parallel shard of {c.stage.seq_len // c.parallel.cp}"
                   " tokens must be divisible by it")
