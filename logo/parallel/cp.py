@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_gather
+import torch.distributed._functional_collectives as funcol
 
 from data.loader import Batch
 from logo.kernels import dispatch
@@ -108,6 +108,12 @@ def _attend(q, k, v, q_pos, cu_q, cu_k, scale, backend):
     return dispatch.local_ops.query_sparse_attention(q, k, v, q_pos, cu_q, cu_k, scale, backend)
 
 
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(n, ...) per rank -> (cp * n, ...) in rank order; backward: reduce-scatter of the gradient (gloo too).
+    (`torch.distributed.nn.functional.all_gather`'s gloo backward fails on a subgroup.)"""
+    return funcol.wait_tensor(funcol.all_gather_tensor_autograd(x.contiguous(), 0, group))
+
+
 class ContextParallelOps:
     """The three attention ops of `logo.kernels.dispatch` for a sharded micro-batch (see the module doc)."""
 
@@ -116,7 +122,7 @@ class ContextParallelOps:
 
     def _gather_all(self, x: torch.Tensor) -> torch.Tensor:
         """Local rows (N_local, H, D) -> every row of the micro-batch in sequence order (B*T, H, D)."""
-        return torch.cat(all_gather(x, group=self.group))[self.layout.gather_index]
+        return _all_gather(x, self.group)[self.layout.gather_index]
 
     def query_sparse_attention(self, q, k, v, q_pos, cu_q, cu_k, scale: Optional[float], backend: str):
         L = self.layout
@@ -155,7 +161,9 @@ class ContextParallelOps:
         L = self.layout
         halo, c, cp = L.window - 1, L.chunk, L.cp
         xs = x.unflatten(0, (L.rows, 2, c))  # (B, 2, c, H, D)
-        tails = all_gather(xs[:, :, c - halo:].contiguous(), group=self.group) if gather else None  # cp x (B, 2, halo, H, D)
+        tails = None  # (cp, B, 2, halo, H, D): every rank's chunk tails
+        if gather:
+            tails = _all_gather(xs[:, :, c - halo:], self.group).unflatten(0, (cp, L.rows))
         parts = []
         for h, j in enumerate((rank, 2 * cp - 1 - rank)):
             if j == 0 or tails is None:
