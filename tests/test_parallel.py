@@ -1,4 +1,4 @@
-"""Tensor, sequence and context parallelism on CPU (gloo, 2 processes) == one process.
+"""Tensor, sequence and context parallelism on CPU (gloo, 2 or 4 processes) == one process.
 
 In process (fp64, one forward/backward): tp=2 and cp=2 give the loss and every gradient of the plain model, for
 full attention and LoGo (documents cut across shard edges), and every tp rank routes the same tokens.

@@ -104,7 +104,8 @@ def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torc
 
 
 def _attend(q, k, v, q_pos, cu_q, cu_k, scale, backend):
-    """The one call of the query-sparse kernel under context parallelism (adapt here if its contract changes)."""
+    """The one call of the query-sparse kernel under context parallelism (adapt here if its contract changes:
+    a query's row in the gathered k/v is cu_k[its document] + q_pos)."""
     return dispatch.local_ops.query_sparse_attention(q, k, v, q_pos, cu_q, cu_k, scale, backend)
 
 
