@@ -89,7 +89,7 @@ def test_flat_gate_model_windowed_ratio(budget_control):
     model = tiny_model(budget_control=budget_control, rho=rho, gamma=0.01, threshold_init=0.5)
     with torch.no_grad():
         for layer in model.logo_layers():
-            layer.gate.zero_()
+            layer.gate.weight.zero_()
     ctrl = BudgetController(model, window=24)
     g = torch.Generator().manual_seed(0)
     for _ in range(48):
@@ -228,7 +228,7 @@ def test_quantile_controller_on_gpu_bf16_matches_cpu_histogram():
     model = tiny_model(budget_control="quantile", rho=rho, gamma=0.01, threshold_init=0.5).cuda()
     with torch.no_grad():
         for layer in model.logo_layers():
-            layer.gate.normal_(0, 0.3)
+            layer.gate.weight.normal_(0, 0.3)
     ctrl = BudgetController(model, window=8)
     g = torch.Generator().manual_seed(0)
     ratios = []

@@ -78,7 +78,7 @@ def test_every_experiment_dry_runs(exp, tmp_path):
     written = json.loads((tmp_path / "plan.json").read_text())
     assert PLAN_KEYS <= set(written)
     assert written["steps"] == plan.steps > 0
-    assert written["micro_batch"] * written["grad_accum"] * written["world_size"] * plan.seq_len == \
+    assert written["micro_batch"] * written["grad_accum"] * written["dp"] * plan.seq_len == \
         written["global_batch_tokens"]
     assert (tmp_path / "config.yaml").exists()
     assert c.experiment == exp

@@ -31,7 +31,7 @@ def build(budget_control="threshold"):
     model.init_weights()
     with torch.no_grad():
         for layer in model.logo_layers():
-            layer.gate.normal_(0, 0.5)
+            layer.gate.weight.normal_(0, 0.5)
     return model
 
 
@@ -59,7 +59,7 @@ def _worker(rank, port, out_dir, fsdp, budget_control="threshold"):
         model = build(budget_control)
         if fsdp is not None:
             from torch.distributed.device_mesh import init_device_mesh
-            from logo.parallelize import apply_fsdp
+            from logo.parallel import apply_fsdp
             apply_fsdp(model, init_device_mesh("cpu", (2,)), torch.float32, **fsdp)
         ctrl = BudgetController(model, process_group=dist.group.WORLD)
         hist = run_steps(model, ctrl, lambda s: global_batch(s).chunk(2)[rank])

@@ -38,7 +38,7 @@ def make_model(attn: dict, dtype=torch.float64, threshold=None, seed=0) -> Trans
     model.init_weights()
     with torch.no_grad():
         for layer in model.logo_layers():
-            layer.gate.normal_(0, 0.5)  # spread p so that routing is mixed at threshold 0.5
+            layer.gate.weight.normal_(0, 0.5)  # spread p so that routing is mixed at threshold 0.5
             if layer.attn_cfg.transform in ("lp", "so"):  # non-identity branch transforms
                 for prm in layer.transform.parameters():
                     prm.add_(0.05 * torch.randn_like(prm))

@@ -40,7 +40,7 @@ def make_run(tmp, preset: str, seed: int = 0, extra=()):
     model.init_weights()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.5 if name.endswith("gate") else 0.05))
+            p.add_(torch.randn_like(p) * (0.5 if name.endswith("gate.weight") else 0.05))
         for layer in model.logo_layers():  # a threshold inside the spread of p: some tokens global, some not
             layer.threshold.fill_(0.5 + 0.02 * float(torch.randn(())))
     tmp.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ def make_layer(seed=0, dim=48, heads=3, window=5, randomize=True, **attn):
             for name, prm in layer.named_parameters():
                 if not name.startswith("w"):
                     prm.add_(0.2 * torch.randn_like(prm))
-            layer.gate.normal_(0, 0.5)
+            layer.gate.weight.normal_(0, 0.5)
     return layer.double()
 
 
@@ -80,7 +80,7 @@ def dense_logo_reference(layer, x, seqs, threshold):
 
         o_l = norm(attn(q, k, v, local), "L")
         o_g = norm(attn(qg, kg, vg, causal), "G")
-        p = torch.sigmoid(xb @ layer.gate)[:, None, None]
+        p = torch.sigmoid(xb @ layer.gate.weight)[:, None, None]
         z = (p > threshold)
         fused = (1 - p) * o_l + p * o_g if a.fusion == "weighted" else o_l + p * o_g
         o = torch.where(z, fused, o_l)

@@ -203,7 +203,7 @@ def test_controller_drives_realized_ratio_to_rho():
     model = tiny("logo", gamma=0.01, rho=0.3, threshold_init=0.5)
     with torch.no_grad():
         for layer in model.logo_layers():
-            layer.gate.normal_(0, 0.3)  # a gate with spread, as after training
+            layer.gate.weight.normal_(0, 0.3)  # a gate with spread, as after training
     ctrl = BudgetController(model)
     ratios = []
     for step in range(120):
@@ -220,7 +220,7 @@ def test_aux_loss_variant_has_gradient_and_ramps_threshold():
     out = model(batch())
     assert out.aux_loss > 0
     out.aux_loss.backward()
-    assert model.logo_layers()[0].gate.grad.abs().sum() > 0
+    assert model.logo_layers()[0].gate.weight.grad.abs().sum() > 0
     ctrl = BudgetController(model)
     for _ in range(5):
         ctrl.accumulate(out.routing.detach())

@@ -1,11 +1,11 @@
-"""The wrappers `logo/parallelize.py` applies (compile, activation checkpointing) leave the math and the
+"""The wrappers `logo/parallel/fsdp.py` applies (compile, activation checkpointing) leave the math and the
 parameter names of the plain model unchanged."""
 import pytest
 import torch
 
 from logo.config import AttentionConfig, ModelConfig
 from logo.model import Transformer
-from logo.parallelize import parallelize
+from logo.parallel import parallelize
 
 from conftest import TINY_RUN, read_metrics, run_train
 

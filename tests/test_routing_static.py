@@ -62,7 +62,7 @@ def make(transform="lp", fusion="weighted", seed=0):
         for name, prm in layer.named_parameters():
             if not name.startswith("w"):
                 prm.add_(0.2 * torch.randn_like(prm))
-        layer.gate.normal_(0, 0.5)
+        layer.gate.weight.normal_(0, 0.5)
     return layer.double()
 
 

@@ -12,7 +12,7 @@ def test_recorded_routing_matches_the_forward_counts(tmp_path):
     model.init_weights()
     with torch.no_grad():
         for layer in model.logo_layers():
-            layer.gate.normal_(0, 0.3)
+            layer.gate.weight.normal_(0, 0.3)
     tokens = torch.randint(0, 300, (2, 40))
     valid = torch.ones(2, 40, dtype=torch.bool)
     valid[1, 30:] = False

@@ -20,7 +20,11 @@ from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
 class HeldOutEval:
     """Built once by the trainer; `maybe_evaluate(step, model, autocast)` each step (all ranks)."""
 
-    def __init__(self, cfg, plan, train_loader: TokenLoader, rank: int, world: int, device: torch.device):
+    def __init__(self, cfg, plan, train_loader: TokenLoader, rank: int, world: int, device: torch.device,
+                 group=None):
+        """rank / world: this rank's data shard and the number of shards; group: the ranks holding different
+        shards (None: the default group). Ranks of one shard (tensor/context parallel) compute the same sums."""
+        self.group = group
         e = cfg.eval
         self.interval, self.last_step, self.device = e.interval, plan.steps, device
         self.last_seconds = 0.0
@@ -54,8 +58,8 @@ class HeldOutEval:
                 ce = model(b.inputs, cu_seqlens=b.cu_seqlens, valid=b.valid, labels=labels,
                            loss_impl="chunked").loss_sum
             sums += torch.stack((ce.double(), (labels != IGNORE_INDEX).sum().double()))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(sums, group=self.group)
         loss = float(sums[0] / sums[1].clamp_min(1))
         self.last_seconds = time.perf_counter() - t0
         return {"eval/loss": loss, "eval/ppl": math.exp(loss)}

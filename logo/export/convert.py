@@ -31,7 +31,7 @@ _LAYER = {
     "attention.transform.A": ("self_attn.transform_A", "lp"),
     "attention.transform.scale": ("self_attn.transform_scale", "so"),
     "attention.transform.offset": ("self_attn.transform_offset", "so"),
-    "attention.gate": ("self_attn.gate", None),
+    "attention.gate.weight": ("self_attn.gate", None),
     "attention.norm_local.weight": ("self_attn.norm_local.weight", None),
     "attention.norm_global.weight": ("self_attn.norm_global.weight", None),
 }

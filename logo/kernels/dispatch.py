@@ -5,9 +5,15 @@ backend: "auto" -> Triton when the tensors are on CUDA and `logo.kernels.triton`
 "reference" -> always the reference; "triton" -> always Triton (error if unavailable; on CPU tensors it needs
 TRITON_INTERPRET=1). The choice is made from the device and the module's import status, both fixed while a
 graph is compiled, so `torch.compile(fullgraph=True)` sees only the custom ops.
+
+`override(ops)` routes the three public ops to `ops` (an object with the same three methods, plus `backend`)
+inside a `with` block: context parallelism (`logo/parallel/cp.py`) uses it to add its communication around
+the same kernels, which it reaches through `local_ops` (never overridden).
 """
 from __future__ import annotations
 
+import contextlib
+import types
 from typing import Optional
 
 from logo.kernels import ops
@@ -17,6 +23,8 @@ try:  # Triton missing or broken: the reference still works
     _TRITON = True
 except Exception:  # noqa: BLE001
     _TRITON = False
+
+_override = None  # set by `override`
 
 
 def _use_triton(q, backend: str) -> bool:
@@ -29,20 +37,54 @@ def _use_triton(q, backend: str) -> bool:
     return _TRITON and (q.is_cuda or backend == "triton")
 
 
+@contextlib.contextmanager
+def override(impl):
+    """Within the block, the public ops below call `impl.<same name>(...)` with the same arguments."""
+    global _override
+    before, _override = _override, impl
+    try:
+        yield
+    finally:
+        _override = before
+
+
 def query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale: Optional[float] = None,
                            backend: str = "auto"):
     """Causal attention of the selected rows rows[:cu_seqlens_q[-1]] over dense keys/values: (N, H, D), zero at
     unselected rows. Static shapes, no host synchronisation (contract in `logo.kernels.reference`)."""
-    return ops.query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale,
-                                      use_triton=_use_triton(q, backend))
+    if _override is not None:
+        return _override.query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, backend)
+    return _query_sparse(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, backend)
 
 
 def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale: Optional[float] = None,
                              backend: str = "auto"):
     """Causal sliding-window attention over packed sequences: (N, H, D)."""
-    return ops.sliding_window_attention(q, k, v, cu_seqlens, window, scale, use_triton=_use_triton(q, backend))
+    if _override is not None:
+        return _override.sliding_window_attention(q, k, v, cu_seqlens, window, scale, backend)
+    return _sliding_window(q, k, v, cu_seqlens, window, scale, backend)
 
 
 def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto"):
     """Dense causal attention inside each packed sequence: every row a query (N, H, D)."""
+    if _override is not None:
+        return _override.causal_attention(q, k, v, cu_seqlens, scale, backend)
+    return _causal(q, k, v, cu_seqlens, scale, backend)
+
+
+def _query_sparse(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, backend):
+    return ops.query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale,
+                                      use_triton=_use_triton(q, backend))
+
+
+def _sliding_window(q, k, v, cu_seqlens, window, scale, backend):
+    return ops.sliding_window_attention(q, k, v, cu_seqlens, window, scale, use_triton=_use_triton(q, backend))
+
+
+def _causal(q, k, v, cu_seqlens, scale, backend):
     return ops.causal_attention(q, k, v, cu_seqlens, scale, use_triton=_use_triton(q, backend))
+
+
+# The ops without any override (what an override calls after its own work).
+local_ops = types.SimpleNamespace(query_sparse_attention=_query_sparse, sliding_window_attention=_sliding_window,
+                                  causal_attention=_causal)

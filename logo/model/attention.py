@@ -41,6 +41,7 @@ class QKVAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        # heads this module computes: cfg.n_heads, or a contiguous block of them when a plan splits the heads
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.attn_cfg: AttentionConfig = cfg.attention
         inner = self.n_heads * self.head_dim

@@ -33,11 +33,13 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device,
-                 dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, D/2). Computed per call: cheap, and safe with meta-device init."""
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32,
+                 positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, D/2) for positions 0..T-1, or for the given row positions (T,). Computed per call:
+    cheap, and safe with meta-device init."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
+    pos = torch.arange(seq_len, device=device) if positions is None else positions.to(device)
+    angles = torch.outer(pos.to(torch.float64), inv_freq)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

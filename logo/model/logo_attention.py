@@ -60,6 +60,19 @@ class BranchTransform(nn.Module):
             nn.init.zeros_(self.offset)
 
 
+class Gate(nn.Module):
+    """p_t = sigmoid(x_t . w_g): one routing probability per token, read from the full hidden state."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))  # w_g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d) -> (N,) in at least fp32."""
+        xf = upcast(x.flatten(0, 1))
+        return torch.sigmoid(xf @ self.weight.to(xf.dtype))
+
+
 class LoGoAttention(QKVAttention):
     """Coupled local/global branches with token-level routing and a per-layer budget threshold."""
 
@@ -73,7 +86,7 @@ class LoGoAttention(QKVAttention):
             self.wq_g = nn.Linear(cfg.dim, H * D, bias=False)
             self.wk_g = nn.Linear(cfg.dim, H * D, bias=False)
             self.wv_g = nn.Linear(cfg.dim, H * D, bias=False)
-        self.gate = nn.Parameter(torch.empty(cfg.dim))  # w_g
+        self.gate = Gate(cfg.dim)
         self.norm_local = RMSNorm((H, D), eps=cfg.norm_eps) if a.context_norm else nn.Identity()
         self.norm_global = RMSNorm((H, D), eps=cfg.norm_eps) if a.context_norm else nn.Identity()
         # Budget threshold b (fp32, checkpointed); updated once per optimizer step by BudgetController.
@@ -88,7 +101,7 @@ class LoGoAttention(QKVAttention):
                 self.wq_g.weight.copy_(self.wq.weight)
                 self.wk_g.weight.copy_(self.wk.weight)
                 self.wv_g.weight.copy_(self.wv.weight)
-        nn.init.normal_(self.gate, std=a.gate_init_std)
+        nn.init.normal_(self.gate.weight, std=a.gate_init_std)
         for norm in (self.norm_local, self.norm_global):
             if isinstance(norm, RMSNorm):
                 norm.reset_parameters()
@@ -104,8 +117,7 @@ class LoGoAttention(QKVAttention):
 
     def gate_probs(self, x: torch.Tensor) -> torch.Tensor:
         """p_t = sigmoid(x_t . w_g): x (B, T, d) -> (N,) in at least fp32."""
-        xf = upcast(x.flatten(0, 1))
-        return torch.sigmoid(xf @ self.gate.to(xf.dtype))
+        return self.gate(x)
 
     def mix(self, x, cos, sin, seqs: PackedSeqs):
         """Both branches and the fusion: x (B, T, d) -> o (N, H, D) before W_o, p (N,), z (N,) bool."""

@@ -1,6 +1,6 @@
 """Llama-style decoder (pre-RMSNorm, RoPE, SwiGLU, untied embeddings) with a pluggable attention kind.
 
-The model knows nothing about parallelism or training: `logo/parallelize.py` wraps it, the trainer drives it.
+The model knows nothing about parallelism or training: `logo/parallel/` wraps it, the trainer drives it.
 """
 from __future__ import annotations
 
@@ -80,14 +80,16 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                 valid: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                loss_impl: str = "auto") -> ModelOutput:
+                loss_impl: str = "auto", positions: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens (B, T) int64; cu_seqlens (S+1,) int32 document offsets over the flattened B*T tokens
-        (row boundaries included); valid (B, T) bool, False for padding. With labels (B, T) int64 (-100 where
-        ignored) the output holds the summed LM loss (`loss_impl`: see logo/model/lm_head.py) and no logits."""
+        (row boundaries included); valid (B, T) bool, False for padding; positions (T,) int64 the rotary
+        position of each column (default 0..T-1: the columns of a row are consecutive tokens). With labels
+        (B, T) int64 (-100 where ignored) the output holds the summed LM loss (`loss_impl`: see
+        logo/model/lm_head.py) and no logits."""
         B, T = tokens.shape
         doc_offsets = cu_seqlens if self.cfg.attention.document_mask else None
         seqs = PackedSeqs.build(B, T, tokens.device, doc_offsets, valid)
-        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device)
+        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, tokens.device, positions=positions)
 
         h = self.tok_embeddings(tokens)  # (B, T, d)
         aux_total = torch.zeros((), device=tokens.device, dtype=torch.float32)

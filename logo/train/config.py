@@ -95,7 +95,10 @@ class LoggingConfig:
 class ParallelConfig:
     backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda
-    # FSDP2 (used with more than one rank; see logo/parallelize.py::apply_fsdp)
+    # Mesh (dp_shard, cp, tp): tensor/sequence-parallel and context-parallel ranks; data parallel takes the rest.
+    tp: int = 1
+    cp: int = 1
+    # FSDP2 over dp_shard x cp (used with more than one such rank; see logo/parallel/fsdp.py::apply_fsdp)
     reshard_after_forward: str = "auto"  # auto: every unit but the last block and norm+head | always | never
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 | bf16 (half the bytes, bf16-rounded sums)
     forward_prefetch: int = 1  # units each unit all-gathers ahead in forward, issued explicitly (0: implicit only)
@@ -226,6 +229,25 @@ def validate(c: Config) -> None:
         _fail("parallel.device", c.parallel.device, "choose auto, cpu or cuda")
     if c.parallel.reshard_after_forward not in ("auto", "always", "never"):
         _fail("parallel.reshard_after_forward", c.parallel.reshard_after_forward, "choose auto, always or never")
+    for name in ("tp", "cp"):
+        v = getattr(c.parallel, name)
+        if not isinstance(v, int) or v < 1:
+            _fail(f"parallel.{name}", v, "must be an integer >= 1")
+    if c.parallel.tp > 1:
+        from logo.parallel.tp import check_tp
+        check_tp(c.model, c.parallel.tp)
+        if c.stage.seq_len % c.parallel.tp:
+            _fail("parallel.tp", c.parallel.tp, f"stage.seq_len={c.stage.seq_len} must be divisible by it "
+                  "(sequence parallelism splits the residual stream along time)")
+    if c.parallel.cp > 1:
+        from logo.parallel.cp import check_cp
+        check_cp(c.stage.seq_len, c.parallel.cp, c.model.attention.window)
+        if not c.model.attention.document_mask:
+            _fail("parallel.cp", c.parallel.cp, "context parallelism needs attention.document_mask=true (use "
+                  "data.document_mask=false to attend across documents)")
+        if c.parallel.tp > 1 and (c.stage.seq_len // c.parallel.cp) % c.parallel.tp:
+            _fail("parallel.tp", c.parallel.tp, f"each context-parallel shard of {c.stage.seq_len // c.parallel.cp}"
+                  " tokens must be divisible by it")
     if c.parallel.reduce_dtype not in ("fp32", "bf16"):
         _fail("parallel.reduce_dtype", c.parallel.reduce_dtype, "choose fp32 or bf16")
     for name in ("forward_prefetch", "backward_prefetch"):

@@ -21,6 +21,9 @@ class Plan:
     run_name: str
     run_dir: str
     world_size: int
+    dp: int  # data-parallel shards (ranks reading different sequences) = world_size / (tp x cp)
+    tp: int
+    cp: int
     params_total: int
     params_non_embedding: int
     seq_len: int
@@ -44,11 +47,13 @@ class Plan:
 
     def table(self) -> str:
         rows = [("run", self.run_name), ("run dir", self.run_dir), ("world size", self.world_size),
+                ("mesh (dp_shard, cp, tp)", f"({self.dp}, {self.cp}, {self.tp})"),
                 ("params (total)", f"{self.params_total:,}"),
                 ("params (non-embedding)", f"{self.params_non_embedding:,}"),
                 ("sequence length", self.seq_len), ("tokens (total)", f"{self.tokens_total:,}"),
                 ("global batch", f"{self.global_batch_tokens:,} tokens = {self.global_batch} sequences"),
-                ("micro batch x grad accum x ranks", f"{self.micro_batch} x {self.grad_accum} x {self.world_size}"),
+                ("micro batch x grad accum x dp", f"{self.micro_batch} x {self.grad_accum} x {self.dp}"),
+                ("tokens per rank per forward", f"{self.micro_batch * self.seq_len // self.cp:,}"),
                 ("steps", f"{self.steps:,} (warmup {self.warmup_steps:,})"),
                 ("P-mask steps", f"{self.pmask_steps:,}"), ("threshold init", f"{self.threshold_init:.4f}"),
                 ("learning rate", f"{self.lr:g} -> {self.lr_min:g} (cosine)"),
@@ -77,14 +82,17 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "") -> Plan:
         total, non_emb = param_counts(Transformer(cfg.model))
     s, t = cfg.stage, cfg.train
     tokens = s.tokens if s.tokens > 0 else int(round(s.tokens_per_param * total))
+    from logo.parallel.mesh import ParallelDims
+    dims = ParallelDims.sizes(world_size, cfg.parallel.tp, cfg.parallel.cp)
     global_batch = s.global_batch_tokens // s.seq_len
-    per_rank, rem = divmod(global_batch, world_size)
+    per_rank, rem = divmod(global_batch, dims.dp)
     if rem or per_rank == 0:
         raise ConfigError(f"invalid config stage.global_batch_tokens={s.global_batch_tokens}: its {global_batch} "
-                          f"sequences of {s.seq_len} tokens cannot be split evenly over {world_size} ranks")
+                          f"sequences of {s.seq_len} tokens cannot be split evenly over {dims.dp} data-parallel "
+                          f"shards")
     micro = min(t.micro_batch, per_rank)
     if per_rank % micro:
-        raise ConfigError(f"invalid config train.micro_batch={t.micro_batch}: each of the {world_size} ranks gets "
+        raise ConfigError(f"invalid config train.micro_batch={t.micro_batch}: each of the {dims.dp} data shards gets "
                           f"{per_rank} sequences per step, which is not a multiple of it")
     steps = t.steps if t.steps > 0 else max(1, math.ceil(tokens / s.global_batch_tokens))
     if t.steps > 0:
@@ -97,7 +105,7 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "") -> Plan:
     pmask_steps = int(round(a.pmask_fraction * steps)) if a.pmask and not keeps_thresholds else 0
     name = run_name(cfg, attention_name or cfg.model.attention.kind)
     run_dir = cfg.run.dir or str(Path("runs") / name)
-    return Plan(run_name=name, run_dir=run_dir, world_size=world_size, params_total=total,
+    return Plan(run_name=name, run_dir=run_dir, world_size=world_size, dp=dims.dp, tp=dims.tp, cp=dims.cp, params_total=total,
                 params_non_embedding=non_emb, seq_len=s.seq_len, tokens_total=tokens,
                 global_batch_tokens=s.global_batch_tokens, global_batch=global_batch, micro_batch=micro,
                 grad_accum=per_rank // micro, steps=steps, warmup_steps=int(round(s.warmup_fraction * steps)),

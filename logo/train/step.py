@@ -13,13 +13,14 @@ attributes GPU time and host syncs to them); outside a profiler a range costs ab
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 import torch
 import torch.distributed as dist
 
 from data.loader import Batch, StepData
-from logo.model.lm_head import lm_loss_sum  # noqa: F401  (re-exported: the plain loss)
+from logo.model.lm_head import lm_loss_sum
 
 
 class TrainingDiverged(RuntimeError):
@@ -46,49 +47,70 @@ class StepOutput:
         return ~(torch.isfinite(self.loss_sum) & torch.isfinite(self.grad_norm))
 
 
-def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast, loss_impl: str = "auto"):
+def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast, loss_impl: str = "auto", positions=None):
     """Forward of one micro-batch (on the device) -> (LM loss summed over the valid targets, () fp32; model
     output). The one place the loss is computed: the model's LM head takes the labels and returns the summed
     loss (`loss_impl`: auto | liger | chunked | plain, see logo/model/lm_head.py), so the (T, vocab) logits
     are never materialised unless loss_impl is plain."""
     with autocast:
-        out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid, labels=mb.labels, loss_impl=loss_impl)
+        if loss_impl == "plain":  # logits out of the model (what a vocab-split tensor-parallel head gives too)
+            out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid, positions=positions)
+            return lm_loss_sum(out.logits, mb.labels), out
+        out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid, labels=mb.labels, loss_impl=loss_impl,
+                    positions=positions)
     return out.loss_sum, out
 
 
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
+def _context_parallel(cpu_mb: Batch, dims, window: int, device: torch.device):
+    """(this rank's share of the micro-batch, its rotary positions, the context manager of its forward and
+    backward); the micro-batch itself, None and a no-op when there is no context parallelism."""
+    if dims is None or dims.cp == 1:
+        return cpu_mb, None, nullcontext()
+    from logo.parallel.cp import context_parallel, shard_batch
+    local, positions, layout = shard_batch(cpu_mb, dims.cp, dims.rank("cp"), window)
+    return local, positions.to(device), context_parallel(layout.to(device), dims.mesh["cp"].get_group())
+
+
 def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, autocast, ctrl, grad_clip: float,
-               world: int, sharded: bool, loss_impl: str = "auto") -> StepOutput:
+               sharded: bool, world: int = 1, dims=None, window: int = 1, loss_impl: str = "auto") -> StepOutput:
     """Forward and backward of this rank's micro-batches, gradient clipping; no host sync.
 
-    The gradient is the token mean over the global batch for any split: FSDP averages gradients over ranks,
-    so each rank's loss is scaled by the number of ranks (`dp`) and divided by the global target count, which
-    the loader knows on the host (`data.target_tokens`); the aux loss is the mean over all micro-batches.
+    The gradient is the token mean over the global batch for any split: FSDP averages gradients over its
+    ranks (dp_shard x cp), so each rank's loss is scaled by their number and divided by the global target
+    count, which the loader knows on the host (`data.target_tokens`); the aux loss is the mean over all
+    micro-batches (and context shards). `dims` (a `logo.parallel.ParallelDims`) replaces `world` when given:
+    tensor-parallel ranks hold the same tokens and count once; with cp > 1 each micro-batch is split along
+    time (`window`: the model's sliding window, for the halo).
     """
     from torchtitan.distributed.utils import clip_grad_norm_
     micro = data.micro_batches
-    dp = world if sharded else 1
-    n_micro = len(micro) * world
+    ranks = dims.dp * dims.cp if dims is not None else world
+    group = dims.mesh["dp_shard_cp"].get_group() if dims is not None and dims.mesh is not None else None
+    dp = ranks if sharded else 1
+    n_micro = len(micro) * ranks
     loss_sum = torch.zeros((), device=device)
     for i, cpu_mb in enumerate(micro):
+        cpu_mb, positions, cp_ctx = _context_parallel(cpu_mb, dims, window, device)
         with phase("h2d"):
             mb = cpu_mb.to(device)  # non-blocking; a true async copy from the loader's pinned memory
         if sharded:
             model.set_requires_gradient_sync(i == len(micro) - 1)
-        with phase("forward"):
-            ce, out = micro_batch_loss(model, mb, autocast, loss_impl)
-        with phase("backward"):
-            (dp * (ce / data.target_tokens + out.aux_loss / n_micro)).backward()
+        with cp_ctx:  # forward and backward (activation checkpointing recomputes the forward in backward)
+            with phase("forward"):
+                ce, out = micro_batch_loss(model, mb, autocast, loss_impl, positions)
+            with phase("backward"):
+                (dp * (ce / data.target_tokens + out.aux_loss / n_micro)).backward()
         loss_sum += ce.detach()
         ctrl.accumulate(out.routing)
     with phase("clip"):
         grad_norm = clip_grad_norm_(list(model.parameters()), grad_clip)
-        loss_sum = _all_reduce_sum(loss_sum)
+        loss_sum = _all_reduce_sum(loss_sum, group)
     return StepOutput(loss_sum, torch.full((), float(data.target_tokens), device=device), grad_norm)
 
 

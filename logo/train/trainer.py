@@ -32,7 +32,7 @@ from logo.export.reader import check_compatible, load_into, read_config, strip_p
 from logo.model import BudgetController, Transformer
 from logo.model.flops import mfu, peak_bf16_flops, realized_ratios
 from logo.model.lm_head import resolve_loss_impl
-from logo.parallelize import build_dp_mesh, parallelize
+from logo.parallel import ParallelDims, parallelize
 from logo.train.checkpoint import Checkpointer, load_model_only, resolve_checkpoint
 from logo.train.config import Config
 from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
@@ -87,7 +87,8 @@ def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
     return device, rank, world
 
 
-def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.device) -> StepLoader:
+def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.device,
+                dims: ParallelDims) -> StepLoader:
     if cfg.data.kind == "default":
         from data.default_corpus import ensure_default_corpus
         if rank == 0:
@@ -101,7 +102,8 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.de
     if ds.vocab_size and ds.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"invalid config model.vocab_size={cfg.model.vocab_size}: the corpus {path} has a "
                           f"vocabulary of {ds.vocab_size} tokens")
-    loader = TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, rank, world, cfg.data.seed,
+    # ranks of one data shard (its tp x cp ranks) read the same sequences
+    loader = TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, dims.data_rank, dims.dp, cfg.data.seed,
                          cfg.data.document_mask)
     return StepLoader(loader, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda", device=device)
 
@@ -154,9 +156,17 @@ def _set_rng_state(states) -> None:
 
 
 def _loss_impl(cfg: Config, device: torch.device, rank: int) -> str:
-    """train.loss resolved for this device (auto: liger on CUDA when installed, else chunked)."""
+    """train.loss resolved for this device (auto: liger on CUDA when installed, else chunked; plain under tensor
+    parallelism, whose vocab-split LM head returns logits)."""
+    if cfg.parallel.tp > 1:
+        if cfg.train.loss not in ("auto", "plain"):
+            raise ConfigError(f"invalid config train.loss={cfg.train.loss!r} with parallel.tp={cfg.parallel.tp}: the "
+                              "tensor-parallel LM head is split over the vocabulary; use train.loss=auto or plain")
+        impl = "plain"
+    else:
+        impl = None
     try:
-        impl = resolve_loss_impl(cfg.train.loss, device)
+        impl = impl or resolve_loss_impl(cfg.train.loss, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if rank == 0:
@@ -244,17 +254,25 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     model.to_empty(device=device)
     model.init_weights()
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
-    dp_mesh = build_dp_mesh(device.type)
+    dims = ParallelDims.build(world, cfg.parallel.tp, cfg.parallel.cp, device.type)
+    if rank == 0 and world > 1:
+        log.info("%s", dims.describe())
+    dp_mesh = dims.submesh("dp_shard_cp")
     parallelize(model, dp_mesh, torch.bfloat16 if bf16 else torch.float32,
-                cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg))
+                cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg),
+                tp_mesh=dims.submesh("tp"))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and dp_mesh is None else nullcontext())
 
     opt = make_optimizer(model, plan.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, cfg.train.weight_decay)
     sched = _lr_scheduler(opt, plan)
-    loader = _build_data(cfg, plan, rank, world, device)
-    heldout = HeldOutEval(cfg, plan, loader.loader, rank, world, device)  # eval.interval=0: does nothing
+    loader = _build_data(cfg, plan, rank, world, device, dims)
+    dp_cp_group = dims.mesh["dp_shard_cp"].get_group() if dims.mesh is not None else None
+    # eval.interval=0: does nothing; context-parallel ranks each evaluate whole sequences (no CP at eval)
+    heldout = HeldOutEval(cfg, plan, loader.loader, dims.data_rank, dims.dp, device,
+                          group=dims.mesh["dp_shard"].get_group() if dims.mesh is not None else None)
+    # routing counts summed over the ranks that see different tokens (dp x cp), never over tp (same tokens)
     window = cfg.logging.ratio_window or cfg.logging.interval
-    ctrl = BudgetController(model, process_group=None, window=window)  # default group = data-parallel group
+    ctrl = BudgetController(model, process_group=dp_cp_group, window=window)
     a = cfg.model.attention
     hint = "; try attention.budget_control=quantile (docs/model.md)" if a.budget_control == "threshold" else ""
     watch = BudgetWatch(a.rho, cfg.logging.budget_tolerance if ctrl.layers else 0.0, plan.pmask_steps, window,
@@ -296,7 +314,8 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
             with phase("data"):
                 data = loader.next_step()
             out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=cfg.train.grad_clip,
-                             world=world, sharded=dp_mesh is not None, loss_impl=loss_impl)
+                             sharded=dp_mesh is not None, dims=dims, window=cfg.model.attention.window,
+                             loss_impl=loss_impl)
             lr = opt.param_groups[0]["lr"]  # the learning rate of this step
             with phase("optimizer"):
                 optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
@@ -381,12 +400,19 @@ def _log_step(step: int, plan: Plan, model_cfg, loss: float, grad_norm: float, l
 
 
 def dry_run(cfg: Config, resolved: dict, attention_name: str = "") -> Plan:
-    """Build the model on the meta device, print the plan and write <run_dir>/plan.json. No training."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """Build the model on the meta device, print the plan, the mesh and the per-GPU memory estimate, and write
+    <run_dir>/plan.json. No training. World size: $WORLD_SIZE under torchrun, else the run's SLURM resources
+    (launch.nodes x processes per node)."""
+    from logo.parallel.memory import estimate
+    la = cfg.launch
+    world = int(os.environ.get("WORLD_SIZE", "0")) or la.nodes * (la.procs_per_node or la.gpus_per_node or 1)
     plan = make_plan(cfg, world, attention_name)
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(plan.run_dir)
         plan.write(run_dir)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        print(f"dry run: {plan.run_name}\n{plan.table()}\nwrote {run_dir / 'plan.json'}")
+        mem = estimate(cfg.model, plan.seq_len, plan.micro_batch, plan.dp, plan.cp, plan.tp)
+        ac = "on" if cfg.train.activation_checkpointing else "off"
+        print(f"dry run: {plan.run_name}\n{plan.table()}\nper-GPU memory estimate (activation checkpointing is "
+              f"{ac} in this config; logo/parallel/memory.py):\n{mem.table()}\nwrote {run_dir / 'plan.json'}")
     return plan

@@ -1,0 +1,102 @@
+"""Apply parallelism and memory/speed wrappers to a plain `Transformer`.
+
+The model module knows nothing of what happens here. Order (as in torchtitan): tensor/sequence parallelism
+(`logo/parallel/tp.py`), torch.compile of each block, activation checkpointing (torchtitan's `apply_ac`), then FSDP2 data parallelism: `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
+`MixedPrecisionPolicy`. FSDP averages gradients over the data-parallel ranks (its default: a custom divide
+factor needs ReduceOp.PREMUL_SUM, which gloo lacks); the trainer scales each rank's loss by the number of
+ranks and divides it by the global number of target tokens, so a step's gradient is the token mean over the
+global batch for any number of ranks (and equal to a single-process run of the same batch).
+
+Only APIs present in torch 2.11 .. 2.13 are used (`torch.distributed.fsdp.fully_shard`, `init_device_mesh`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger("logo")
+
+
+def build_dp_mesh(device_type: str) -> Optional[DeviceMesh]:
+    """A 1-D data-parallel mesh over all ranks, or None in a single process.
+
+    Built with `init_device_mesh` directly: torchtitan 0.2.2's `ParallelDims.build_mesh` takes its device type
+    from `torchtitan.tools.utils.device_type`, which is "cuda" even on a machine without GPUs, so it cannot
+    build the gloo/CPU mesh used by CPU runs and tests.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+
+
+def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "auto",
+               forward_prefetch: int = 1, backward_prefetch: int = 1) -> None:
+    """FSDP2: one unit for the embedding, one per transformer block, one for [final norm, output head], and the root.
+
+    reshard_after_forward: "auto" frees every unit's gathered parameters after its forward except the last
+    block and norm+head, whose backward follows at once (one all-gather per micro-batch saved, as torchtitan's
+    default); "always" frees all but norm+head; "never" keeps every unit gathered from forward to backward (no
+    all-gathers in backward; the whole model in param_dtype stays in memory during a micro-batch).
+    forward_prefetch / backward_prefetch = n: each unit issues the all-gathers of the next n units (in forward
+    order / in reverse order) explicitly from its own pre-hook, so they are in flight before the CPU reaches
+    those units; this keeps the overlap when host syncs inside a unit (LoGo routing) stop the CPU from running
+    ahead. 0 leaves FSDP2's implicit prefetching.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    blocks = list(model.layers.values())
+    reshard = reshard_after_forward != "never"
+    fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kw)
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard and not (last and reshard_after_forward == "auto"), **kw)
+    # The head is used right after the last block; keeping it unsharded after forward saves one all-gather.
+    fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
+    fully_shard(model, **kw)
+    units = [model.tok_embeddings, *blocks, model.norm]  # forward order (model.norm stands for norm+head)
+    if forward_prefetch > 0:
+        for i, unit in enumerate(units[:-1]):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + forward_prefetch])
+    if backward_prefetch > 0:
+        rev = units[::-1]
+        for i, unit in enumerate(rev[:-1]):
+            unit.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + backward_prefetch])
+
+
+def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dtype: torch.dtype,
+                activation_checkpointing: bool = False, compile_blocks: bool = False,
+                fsdp: Optional[dict] = None, tp_mesh: Optional[DeviceMesh] = None) -> torch.nn.Module:
+    """In place: tensor parallelism over tp_mesh, compile, activation checkpointing, then FSDP2 over dp_mesh (the
+    flattened dp_shard x cp mesh), each when there is one. `fsdp`: keyword options of `apply_fsdp`
+    (reduce_dtype, reshard_after_forward, forward/backward_prefetch)."""
+    if tp_mesh is not None:
+        from logo.parallel.tp import apply_tp
+        apply_tp(model, tp_mesh)
+        if dist.get_rank() == 0:
+            log.info("tensor + sequence parallel over %d ranks", tp_mesh.size())
+    if compile_blocks:
+        # Each block compiled in place (parameter names unchanged, so checkpoints do not depend on it). The
+        # attention kernels are compile boundaries and LoGo routing has data-dependent shapes: Dynamo splits
+        # the graph there and Inductor fuses the rest (RoPE, norms, gate, fusion, SwiGLU).
+        for block in model.layers.values():
+            block.compile()
+    if activation_checkpointing:
+        from torchtitan.config.job_config import ActivationCheckpoint
+        from torchtitan.distributed.activation_checkpoint import apply_ac
+        apply_ac(model, ActivationCheckpoint(mode="full"))
+    if dp_mesh is not None:
+        opts = dict(fsdp or {})
+        apply_fsdp(model, dp_mesh, param_dtype, **opts)
+        if dist.get_rank() == 0:
+            reduce = opts.get("reduce_dtype", torch.float32)
+            log.info("FSDP2 data parallel over %d ranks (%s mesh, params in %s, gradients reduced in %s, "
+                     "reshard after forward: %s, prefetch forward %d / backward %d)", dp_mesh.size(),
+                     dp_mesh.device_type, str(param_dtype).removeprefix("torch."), str(reduce).removeprefix("torch."),
+                     opts.get("reshard_after_forward", "auto"), opts.get("forward_prefetch", 1),
+                     opts.get("backward_prefetch", 1))
+    return model

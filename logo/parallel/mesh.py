@@ -1,0 +1,74 @@
+"""One device mesh (dp_shard, cp, tp) for every kind of parallelism, built over NCCL or gloo (CPU).
+
+tp: tensor + sequence parallel ranks (same tokens, heads and FFN columns split); cp: context-parallel ranks
+(one sequence split along time); dp_shard: data-parallel FSDP2 ranks (different sequences) = world / (cp x tp).
+FSDP shards parameters over the flattened (dp_shard, cp) mesh, as torchtitan does: context-parallel ranks see
+different tokens, so their gradients are summed like data-parallel ones. Built with `init_device_mesh` directly:
+torchtitan 0.2.2's `ParallelDims.build_mesh` takes its device type from `torchtitan.tools.utils.device_type`,
+which is "cuda" even without GPUs, so it cannot build the gloo/CPU mesh of CPU runs and tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from logo.config import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the three mesh dimensions and, when distributed, the mesh itself."""
+
+    dp: int
+    cp: int
+    tp: int
+    mesh: Optional[DeviceMesh] = None
+
+    @staticmethod
+    def sizes(world: int, tp: int, cp: int) -> "ParallelDims":
+        """Check the layout (one-line errors naming the bad value) without building anything."""
+        if tp < 1:
+            raise ConfigError(f"invalid config parallel.tp={tp}: must be >= 1")
+        if cp < 1:
+            raise ConfigError(f"invalid config parallel.cp={cp}: must be >= 1")
+        if world % (tp * cp):
+            raise ConfigError(f"invalid config parallel.tp={tp}, parallel.cp={cp}: their product {tp * cp} does "
+                              f"not divide the {world} ranks")
+        return ParallelDims(world // (tp * cp), cp, tp)
+
+    @staticmethod
+    def build(world: int, tp: int, cp: int, device_type: str) -> "ParallelDims":
+        dims = ParallelDims.sizes(world, tp, cp)
+        if world > 1:
+            dims.mesh = init_device_mesh(device_type, (dims.dp, cp, tp), mesh_dim_names=("dp_shard", "cp", "tp"))
+            dims.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return dims
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    def submesh(self, name: str) -> Optional[DeviceMesh]:
+        """'dp_shard', 'cp', 'tp' or 'dp_shard_cp' (FSDP), or None when that dimension is 1 (or no mesh)."""
+        if self.mesh is None or self.mesh[name].size() == 1:
+            return None
+        return self.mesh[name]
+
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+        m = self.submesh(name)
+        return None if m is None else m.get_group()
+
+    def rank(self, name: str) -> int:
+        return 0 if self.mesh is None else self.mesh[name].get_local_rank()
+
+    @property
+    def data_rank(self) -> int:
+        """Index of this rank's data shard (ranks with equal index read the same sequences)."""
+        return self.rank("dp_shard")
+
+    def describe(self) -> str:
+        return (f"mesh (dp_shard={self.dp}, cp={self.cp}, tp={self.tp}) over {self.world} rank(s); FSDP over "
+                f"dp_shard x cp = {self.dp * self.cp}")

@@ -1,0 +1,177 @@
+"""Tensor, sequence and context parallelism on CPU (gloo, 2 or 4 processes) == one process.
+
+In process (fp64, one forward/backward): tp=2 and cp=2 give the loss and every gradient of the plain model, for
+full attention and LoGo (documents cut across shard edges), and every tp rank routes the same tokens.
+Through train.py (torchrun, slow): per-step losses, gradient norms and thresholds of tp=2, cp=2 and
+dp=2 x cp=2 equal one process; a run saved with dp=2 resumes with tp=2 / cp=2 and continues with the same loss.
+"""
+import json
+import os
+import shutil
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+import torch.multiprocessing as mp
+
+from conftest import TINY_RUN, read_metrics, run_train
+from data.loader import Batch
+from logo.config import AttentionConfig, ModelConfig
+from logo.model import Transformer
+
+T = 16  # tokens per row: 4 chunks of 4 under cp=2 (window 4: halo of 3)
+
+
+def build(kind: str) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_hidden=64, vocab_size=128,
+                      attention=AttentionConfig(kind=kind, window=4, gate_init_std=0.5))
+    model = Transformer(cfg)
+    model.init_weights()
+    return model.double()
+
+
+def micro_batch() -> Batch:
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 128, (2, T + 1), generator=g)
+    cu = torch.tensor([0, 5, 16, 21, 27, 32], dtype=torch.int32)  # documents across chunk and row edges
+    return Batch(tokens[:, :-1], tokens[:, 1:], cu, torch.ones(2, T, dtype=torch.bool))
+
+
+def loss_sum(out, labels):
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _worker(rank, port, out_dir, layout, kind):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from logo.parallel import ParallelDims
+        from logo.parallel.cp import context_parallel, shard_batch
+        from logo.parallel.tp import apply_tp
+        tp, cp = layout
+        dims = ParallelDims.build(2, tp, cp, "cpu")
+        model, mb = build(kind), micro_batch()
+        if tp > 1:
+            apply_tp(model, dims.submesh("tp"))
+            out = model(mb.inputs, cu_seqlens=mb.cu_seqlens)  # logits in fp64 (the fused losses work in fp32)
+            loss = loss_sum(out, mb.labels)
+            loss.backward()
+            grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # the head is not tp-split
+                     for n, p in model.named_parameters()}
+        else:
+            local, positions, lay = shard_batch(mb, cp, rank, window=4)
+            with context_parallel(lay, dims.group("cp")):
+                out = model(local.inputs, cu_seqlens=local.cu_seqlens, positions=positions)
+                loss = loss_sum(out, local.labels)
+                loss.backward()
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)  # each cp rank holds its share of the tokens
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            for g in grads.values():
+                dist.all_reduce(g)
+        torch.save({"loss": loss.detach(), "grads": grads, "routing": out.routing},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("full", marks=pytest.mark.slow), "logo"])
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
+def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, kind):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), layout, kind), nprocs=2, join=True)
+    model, mb = build(kind), micro_batch()
+    out = model(mb.inputs, cu_seqlens=mb.cu_seqlens)
+    ref = loss_sum(out, mb.labels)
+    ref.backward()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        torch.testing.assert_close(r["loss"], ref.detach(), rtol=1e-12, atol=1e-10)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(r["grads"][n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+    if kind == "logo":
+        if layout[0] > 1:  # tp ranks see the same tokens: the same routing decisions, equal to one process
+            assert torch.equal(ranks[0]["routing"][:, :2], ranks[1]["routing"][:, :2])
+            assert torch.equal(ranks[0]["routing"][:, :2], out.routing[:, :2])
+        else:  # cp ranks hold different tokens: their counts add up to one process's
+            torch.testing.assert_close(ranks[0]["routing"][:, :2] + ranks[1]["routing"][:, :2], out.routing[:, :2])
+        assert 0 < out.routing[:, 0].sum() < out.routing[:, 1].sum()  # routing is really mixed
+
+
+# ---- through train.py (torchrun) --------------------------------------------------------------------------
+
+STEPS = 3
+ARGS = [*TINY_RUN, f"train.steps={STEPS}", "checkpoint.interval=2", "eval.interval=0"]
+
+
+def _thresholds(row):
+    return [row[k] for k in sorted(row) if k.startswith("logo/threshold/")]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, default_corpus):
+    d = tmp_path_factory.mktemp("single")
+    run_train(*ARGS, f"run.dir={d}")
+    return read_metrics(d)
+
+
+def _assert_same_steps(a, b):
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["step"] == ra["step"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+        assert _thresholds(rb) == _thresholds(ra)  # bitwise: the controller counts each token once
+        assert rb.get("logo/threshold_spread", 0.0) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,nproc", [(["parallel.tp=2"], 2), (["parallel.cp=2"], 2),
+                                             (["parallel.cp=2"], 4)], ids=["tp2", "cp2", "dp2xcp2"])
+def test_trainer_layouts_equal_one_process(single, tmp_path, overrides, nproc):
+    run_train(*ARGS, *overrides, f"run.dir={tmp_path}", nproc=nproc, timeout=900)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["dp"] * plan["cp"] * plan["tp"] == plan["world_size"] == nproc
+    _assert_same_steps(single, read_metrics(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_with", ["parallel.tp=2", "parallel.cp=2"])
+def test_checkpoint_resumes_with_another_layout(single, tmp_path, resume_with):
+    """Saved at step 2 by dp=2 (FSDP), resumed by another layout (DCP resharding): step 3 as one process."""
+    run_train(*ARGS, "train.steps=3", f"run.dir={tmp_path}", nproc=2, timeout=600)
+    shutil.rmtree(tmp_path / "checkpoints" / f"step_{STEPS:08d}")
+    p = run_train(*ARGS, resume_with, f"run.dir={tmp_path}", nproc=2, timeout=600)
+    assert "resumed from" in p.stderr + p.stdout
+    last = read_metrics(tmp_path)[-1]
+    _assert_same_steps(single[-1:], [last])
+
+
+# ---- layout checks and the memory estimate ----------------------------------------------------------------
+
+def test_memory_estimate_and_layout_errors():
+    from logo.config import ConfigError, model_config
+    from logo.parallel import ParallelDims
+    from logo.parallel.cp import check_cp
+    from logo.parallel.memory import estimate
+    from logo.parallel.tp import check_tp
+    cfg = model_config("1.5b", attention=AttentionConfig(kind="logo"))
+    one = estimate(cfg, 131072, 1, 1, 4, 1)
+    preset = estimate(cfg, 131072, 1, 8, 8, 1)  # the 128k presets: 8 nodes x cp=8
+    assert preset.fits(80, ac=True) and not preset.fits(80, ac=False)
+    assert preset.activations < one.activations and preset.logits == one.logits / 2  # half the tokens per rank
+    assert estimate(cfg, 32768, 1, 1, 1, 2).activations < estimate(cfg, 32768, 1, 1, 1, 1).activations
+    with pytest.raises(ConfigError, match="parallel.tp=3"):
+        check_tp(cfg, 3)  # 16 heads
+    with pytest.raises(ConfigError, match="parallel.cp=4"):
+        check_cp(100, 4, 1)
+    with pytest.raises(ConfigError, match="parallel.tp=2, parallel.cp=2"):
+        ParallelDims.sizes(6, 2, 2)
+    assert (ParallelDims.sizes(8, 2, 2).dp, ParallelDims.sizes(8, 1, 1).dp) == (2, 8)
