@@ -67,7 +67,13 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 100  # steps between checkpoints (and one at the end)
+    interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0 = off
     keep: int = 3  # keep the last k
+    keep_every_tokens: int = 0  # also save at every multiple of this many tokens and never prune those; 0 = off
+    # none: the loop waits for the write | async: copy to host memory, write in the background | async_pinned:
+    # the same with a reused pinned buffer filled while the next step computes (docs/training.md, "Checkpoints")
+    async_mode: str = "async_pinned"
+    writer_threads: int = 4  # DCP FileSystemWriter threads per rank (one file per thread)
     init_from: str = ""  # a previous stage's checkpoint: model + thresholds only (context extension)
     resume: bool = True  # resume automatically from the run's latest complete checkpoint
 
@@ -222,6 +228,15 @@ def validate(c: Config) -> None:
         v = getattr(c.parallel, name)
         if not isinstance(v, int) or not 0 <= v <= 4:
             _fail(f"parallel.{name}", v, "must be an integer in [0, 4] (units prefetched ahead)")
+    ck = c.checkpoint
+    if ck.async_mode not in ("none", "async", "async_pinned"):
+        _fail("checkpoint.async_mode", ck.async_mode, "choose none, async or async_pinned")
+    if not isinstance(ck.interval_minutes, (int, float)) or ck.interval_minutes < 0:
+        _fail("checkpoint.interval_minutes", ck.interval_minutes, "must be >= 0 (0 = off)")
+    if not isinstance(ck.keep_every_tokens, int) or ck.keep_every_tokens < 0:
+        _fail("checkpoint.keep_every_tokens", ck.keep_every_tokens, "must be an integer >= 0 (0 = off)")
+    if not isinstance(ck.writer_threads, int) or not 1 <= ck.writer_threads <= 64:
+        _fail("checkpoint.writer_threads", ck.writer_threads, "must be an integer in [1, 64]")
     if c.logging.wandb_mode not in ("auto", "online", "offline"):
         _fail("logging.wandb_mode", c.logging.wandb_mode, "choose auto, online or offline")
     for name, v in (("eval.interval", c.eval.interval), ("eval.tokens", c.eval.tokens),

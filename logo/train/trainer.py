@@ -15,6 +15,7 @@ import os
 import random
 import resource
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -52,14 +53,15 @@ class _StopRequest:
     def _handler(self, signum, frame):
         self.signal = signal.Signals(signum).name
 
-    def requested(self, group) -> bool:
-        """True on every rank once any rank got a signal. Distributed: one all-reduce of a CPU flag over a
+    def requested(self, group, save_due: bool = False) -> tuple[bool, bool]:
+        """(stop, save_due): stop is True on every rank once any rank got a signal; save_due is rank 0's
+        time-based checkpoint decision, the same on every rank. Distributed: one all-reduce of CPU flags over a
         gloo group: host-only, it never waits for the GPU (a device flag would need a host sync per step)."""
         if group is None:
-            return self.signal is not None
-        flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32)
+            return self.signal is not None, save_due
+        flag = torch.tensor([1 if self.signal else 0, int(save_due and dist.get_rank() == 0)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag[0])
+        return bool(flag[0]), bool(flag[1])
 
 
 def _host_group(world: int):
@@ -192,7 +194,9 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     run_dir = Path(plan.run_dir)
     cfg.model.attention.threshold_init = plan.threshold_init
     # Resume wins over init_from; either is checked before anything is built, so a bad path fails at once.
-    ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
+    ck = cfg.checkpoint
+    ckpt = Checkpointer(run_dir, ck.keep, ck.async_mode, ck.writer_threads,
+                        dist.new_group(backend="gloo") if world > 1 and ck.async_mode != "none" else None)
     latest = ckpt.latest() if cfg.checkpoint.resume else None
     init_from = resolve_checkpoint(cfg.checkpoint.init_from) if cfg.checkpoint.init_from and latest is None else None
     if rank == 0:
@@ -247,6 +251,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     if cfg.train.gc_interval:
         gc.collect()
         gc.disable()
+    last_save = time.monotonic()
     try:
         while step < plan.steps:
             with phase("data"):
@@ -255,38 +260,41 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                              world=world, sharded=dp_mesh is not None)
             lr = opt.param_groups[0]["lr"]  # the learning rate of this step
             with phase("optimizer"):
+                ckpt.wait_staging()  # async_pinned: the previous save's host copy is taken before the update
                 optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
             step += 1
             timer.mark()
             if bar is not None:
                 bar.update(1)
 
+            ckpt.poll()  # a finished background write becomes latest
             with phase("stop_check"):
-                stop_now = stop.requested(host_group)
+                stop_now, time_due = stop.requested(
+                    host_group, ck.interval_minutes > 0 and time.monotonic() - last_save >= 60 * ck.interval_minutes)
             with phase("eval"):
                 evaluated = heldout.maybe_evaluate(step, model, autocast)  # {} unless due; every rank takes part
             log_now = step % cfg.logging.interval == 0 or step == plan.steps or bool(evaluated)
-            save_now = (step % cfg.checkpoint.interval == 0 or (step == plan.steps and save_final)) or stop_now
+            milestone = _milestone(step, plan.global_batch_tokens, ck.keep_every_tokens)
+            last_step = step == plan.steps
+            save_now = (step % ck.interval == 0 or (last_step and save_final) or stop_now or time_due or milestone)
             if log_now or save_now:  # the only host syncs of the loop: loss, grad norm, divergence state
                 with phase("sync"):
                     loss, grad_norm, diverged = read_back(out, monitor)
                 DivergenceMonitor.check(diverged, ckpt.latest)  # before any checkpoint of a skipped step
-            if log_now:
-                with phase("log"):
-                    last = _log_step(step, plan, loss, grad_norm, lr, timer.durations(), peak, world, device, ctrl,
-                                     host_group, metrics_log, bar, evaluated)
-            if evaluated:
-                timer.restart()  # the held-out evaluation is not part of the next step's time
             if save_now:
                 with phase("checkpoint"):
                     gc.collect()
-                    path = ckpt.save(step, model, opt, {
+                    ckpt.save(step, model, opt, {
                         "step": step, "lr_scheduler": sched.state_dict(), "data": loader.state_dict(),
                         "rng": _rng_states_all_ranks(), "wandb_id": metrics_log.wandb_id if metrics_log else None,
-                        "plan": plan.to_json()})
-                if rank == 0:
-                    log.info("saved checkpoint %s", path)
-                timer.restart()  # the save is not part of the next step's time
+                        "plan": plan.to_json()}, milestone=milestone, wait=last_step or stop_now)
+                last_save = time.monotonic()
+            if log_now:
+                with phase("log"):
+                    last = _log_step(step, plan, loss, grad_norm, lr, timer.durations(), peak, world, device, ctrl,
+                                     host_group, metrics_log, bar, evaluated, ckpt.take_stats())
+            if evaluated or save_now:
+                timer.restart()  # neither the held-out evaluation nor the save is part of the next step's time
             if cfg.train.gc_interval and step % cfg.train.gc_interval == 0:
                 with phase("gc"):
                     gc.collect(1)
@@ -298,6 +306,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                                 stop.signal or "a stop signal on another rank", step)
                 break
     finally:
+        _close_checkpointer(ckpt, failing=sys.exc_info()[0] is not None)
         gc.enable()
         loader.close()
         if bar is not None:
@@ -311,9 +320,26 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     return {"step": step, **last}
 
 
+def _milestone(step: int, batch_tokens: int, every: int) -> bool:
+    """True at the first step whose token count reaches the next multiple of `every` (0: never)."""
+    return every > 0 and step * batch_tokens // every > (step - 1) * batch_tokens // every
+
+
+def _close_checkpointer(ckpt: Checkpointer, failing: bool) -> None:
+    """Finish the in-flight save (it holds a good state) at the end, on SIGTERM and on errors. While another
+    error propagates, a failing save is only logged."""
+    if not failing:
+        ckpt.close()
+        return
+    try:
+        ckpt.close()
+    except Exception as e:  # noqa: BLE001
+        log.warning("%s", e)
+
+
 def _log_step(step: int, plan: Plan, loss: float, grad_norm: float, lr: float, durations: list, peak, world: int,
               device: torch.device, ctrl: BudgetController, host_group, metrics_log, bar,
-              evaluated: dict) -> dict:
+              evaluated: dict, saves: list) -> dict:
     """The metrics of a logging step (every rank: the collectives), written by rank 0."""
     elapsed = sum(durations) or float("nan")
     m = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -324,6 +350,8 @@ def _log_step(step: int, plan: Plan, loss: float, grad_norm: float, lr: float, d
     m["memory_gib"] = _peak_memory_gib(device, host_group)
     m.update(ctrl.metrics())
     m.update(evaluated)  # held-out loss when it was due at this step
+    if saves:  # the latest save finished since the last logged step (each one is also on the console)
+        m.update(saves[-1].metrics())
     if world > 1 and ctrl.layers:
         m["logo/threshold_spread"] = _threshold_spread(ctrl)
     if metrics_log is not None:
