@@ -54,3 +54,29 @@ def default_corpus():
     """Build (or reuse) the embedded default corpus once per session."""
     from data.default_corpus import ensure_default_corpus
     return ensure_default_corpus()
+
+
+# The checkpoint and fault tests' reference: 5 steps, a synchronous save every 2 steps (kept) and at the end.
+CKPT_STEPS = 5
+CKPT_ARGS = [*TINY_RUN, f"train.steps={CKPT_STEPS}", "checkpoint.interval=2", "checkpoint.keep=10", "eval.interval=0"]
+SLOW_BOX_TIMEOUT = 900  # seconds per training run: the shared CPU box can be slow
+
+
+@pytest.fixture(scope="session")
+def sync_reference(tmp_path_factory, default_corpus):
+    """CKPT_ARGS with synchronous saves, uninterrupted: checkpoints at steps 2, 4, 5."""
+    d = tmp_path_factory.mktemp("sync_reference")
+    run_train(*CKPT_ARGS, "checkpoint.async_mode=none", f"run.dir={d}", timeout=SLOW_BOX_TIMEOUT)
+    return d
+
+
+def same_rows(a: list, b: list, steps) -> None:
+    """Training records equal (losses, LR, grad norm, thresholds, ratios), timings and checkpoint figures aside."""
+    ra = {r["step"]: r for r in a if "loss" in r}
+    rb = {r["step"]: r for r in b if "loss" in r}
+    assert sorted(rb) == list(steps)
+    for s in steps:
+        for k, v in ra[s].items():
+            if k in ("tokens_per_s", "memory_gib") or k.startswith(("step_time", "checkpoint/")):
+                continue
+            assert rb[s][k] == v, (s, k, v, rb[s].get(k))

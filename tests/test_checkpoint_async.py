@@ -10,27 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_RUN, read_metrics, run_train, train_cmd, train_env
+from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, read_metrics, run_train, same_rows,
+                      train_cmd, train_env)
 
-N = 5
-ARGS = [*TINY_RUN, f"train.steps={N}", "checkpoint.interval=2", "checkpoint.keep=10", "eval.interval=0"]
-T = 900  # seconds per run: the shared CPU box can be slow
+N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
 
 
 def ckpt_names(d) -> list:
     return sorted(p.name for p in (Path(d) / "checkpoints").iterdir())
-
-
-def same_rows(a: list, b: list, steps) -> None:
-    """Training records equal (losses, LR, grad norm, thresholds, ratios), timings and checkpoint figures aside."""
-    ra = {r["step"]: r for r in a if "loss" in r}
-    rb = {r["step"]: r for r in b if "loss" in r}
-    assert sorted(rb) == list(steps)
-    for s in steps:
-        for k, v in ra[s].items():
-            if k in ("tokens_per_s", "memory_gib") or k.startswith(("step_time", "checkpoint/")):
-                continue
-            assert rb[s][k] == v, (s, k, v, rb[s].get(k))
 
 
 def final_model(d, tmp_path, name) -> dict:
@@ -40,15 +27,8 @@ def final_model(d, tmp_path, name) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def sync_run(tmp_path_factory, default_corpus):
-    d = tmp_path_factory.mktemp("sync")
-    run_train(*ARGS, "checkpoint.async_mode=none", f"run.dir={d}", timeout=T)
-    return d
-
-
-def test_sync_run_logs_checkpoint_cost(sync_run):
-    rows = {r["step"]: r for r in read_metrics(sync_run)}
+def test_sync_run_logs_checkpoint_cost(sync_reference):
+    rows = {r["step"]: r for r in read_metrics(sync_reference)}
     for s in (2, 4, 5):  # synchronous: each save's figures are in its own step's record
         r = rows[s]
         assert r["checkpoint/step"] == s and r["checkpoint/gib"] > 0
@@ -57,12 +37,12 @@ def test_sync_run_logs_checkpoint_cost(sync_run):
 
 
 @pytest.mark.parametrize("mode", ["async", "async_pinned"])
-def test_async_run_and_resume_equal_sync(sync_run, tmp_path, mode):
+def test_async_run_and_resume_equal_sync(sync_reference, tmp_path, mode):
     d = tmp_path / "run"
     run_train(*ARGS, f"checkpoint.async_mode={mode}", f"run.dir={d}", timeout=T)
-    assert ckpt_names(d) == ckpt_names(sync_run) == [f"step_{s:08d}" for s in (2, 4, 5)]
-    same_rows(read_metrics(sync_run), read_metrics(d), range(1, N + 1))
-    a, b = final_model(sync_run, tmp_path, "a"), final_model(d, tmp_path, "b")
+    assert ckpt_names(d) == ckpt_names(sync_reference) == [f"step_{s:08d}" for s in (2, 4, 5)]
+    same_rows(read_metrics(sync_reference), read_metrics(d), range(1, N + 1))
+    a, b = final_model(sync_reference, tmp_path, "a"), final_model(d, tmp_path, "b")
     for part in ("model", "optim"):
         ta, tb = torch.utils._pytree.tree_leaves(a[part]), torch.utils._pytree.tree_leaves(b[part])
         assert len(ta) == len(tb) > 0
@@ -75,7 +55,7 @@ def test_async_run_and_resume_equal_sync(sync_run, tmp_path, mode):
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(d / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
     run_train(*ARGS, f"checkpoint.async_mode={mode}", f"run.dir={resumed}", timeout=T)
-    same_rows(read_metrics(sync_run), read_metrics(resumed), range(3, N + 1))
+    same_rows(read_metrics(sync_reference), read_metrics(resumed), range(3, N + 1))
 
 
 def _start(run_dir, fault: str, *extra):
@@ -101,7 +81,7 @@ def _logged(run_dir, step) -> bool:
     return m.exists() and any(r.get("step", 0) >= step for r in read_metrics(run_dir) if "loss" in r)
 
 
-def test_sigkill_during_background_write_keeps_previous_latest(sync_run, tmp_path):
+def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, tmp_path):
     """The write of step 4 is slow; training goes on (step 4 is logged after its save started, the loop reaches
     the final step's save, which waits for it), then SIGKILL: step 2 stays latest, step 4 never becomes visible,
     and the same command resumes from step 2 and continues bitwise equal."""
@@ -116,7 +96,7 @@ def test_sigkill_during_background_write_keeps_previous_latest(sync_run, tmp_pat
     assert Checkpointer(d, 10).latest().name == "step_00000002"
     p = run_train(*ARGS, "checkpoint.async_mode=async", f"run.dir={d}", timeout=T)
     assert "resumed from" in p.stderr + p.stdout and "step_00000002" in p.stderr + p.stdout
-    same_rows(read_metrics(sync_run), read_metrics(d), range(1, N + 1))
+    same_rows(read_metrics(sync_reference), read_metrics(d), range(1, N + 1))
     assert ckpt_names(d) == [f"step_{s:08d}" for s in (2, 4, 5)]  # the stale step_4.tmp replaced
 
 
@@ -154,6 +134,7 @@ def test_host_memory_check_names_the_mode():
     with pytest.raises(CheckpointError,
                        match=r"checkpoint.async_mode=async_pinned needs 8.0 GiB .*\(4 ranks x 2.0 GiB\)"):
         host_memory_check(2**31, 4, 8 * 2**30, "async_pinned")
+
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),

@@ -120,8 +120,10 @@ class Checkpointer:
         self.writer_threads = writer_threads
         self.pg = process_group
         self._inflight: Optional[_InFlight] = None
+        _quiet_writer_threads()
         self._stager = None  # async_pinned: one DefaultStager whose host buffers are reused between saves
         self._memory_checked = async_mode == "none"
+        self._prev_bytes: Optional[int] = None  # size of the last checkpoint (free-space check)
         self.finished: list[SaveStats] = []  # saves completed since the trainer last took them (take_stats)
 
     def latest(self) -> Optional[Path]:
@@ -146,7 +148,7 @@ class Checkpointer:
         if _rank() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
+        self._check_free_space(step)  # also the barrier before writing
         if not self._memory_checked:
             self._check_host_memory(model, optimizer)
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -253,7 +255,8 @@ class Checkpointer:
             except OSError as e:
                 self._discard(p.tmp)
                 raise CheckpointError(self._failed(p.step, e)) from None
-            gib = dir_bytes(p.final) / 2**30
+            self._prev_bytes = dir_bytes(p.final)
+            gib = self._prev_bytes / 2**30
         now = time.perf_counter()
         stats = SaveStats(p.step, p.stall_s + now - t0, now - p.started, gib)
         self.finished.append(stats)
@@ -302,8 +305,33 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _failed(self, step: int, e: BaseException) -> str:
+        e = _root_cause(e)
         return (f"checkpoint save of step {step} to {self.dir / f'step_{step:08d}'} failed "
-                f"({type(e).__name__}: {_first_line(e)}); last complete checkpoint: {self.latest() or 'none'}")
+                f"({type(e).__name__}: {_first_line(e)}); {_free(self.dir)} free; the partial checkpoint was "
+                f"removed; last complete checkpoint: {self.latest() or 'none'}")
+
+    def _check_free_space(self, step: int) -> None:
+        """Rank 0, before writing: the free space against the size of the latest checkpoint (the new one will
+        be about as large): fail before writing when it cannot fit, warn when a second one would not."""
+        msg = ""
+        if _rank() == 0:
+            latest = self.latest()
+            if latest is not None and self._prev_bytes is None:
+                self._prev_bytes = dir_bytes(latest)
+            need, free = self._prev_bytes or 0, shutil.disk_usage(self.dir).free
+            if need and free < need:
+                msg = (f"not enough disk space for the checkpoint of step {step} in {self.dir}: {_free(self.dir)} "
+                       f"free, the previous checkpoint takes {need / 2**30:.2f} GiB; nothing was written; last "
+                       f"complete checkpoint: {latest}; free space (or lower checkpoint.keep) and re-run")
+            elif need and free < 2 * need:
+                log.warning("disk space is low for checkpoints in %s: %s free, a checkpoint takes %.2f GiB",
+                            self.dir, _free(self.dir), need / 2**30)
+        if _is_dist():
+            box = [msg]
+            dist.broadcast_object_list(box, src=0)
+            msg = box[0]
+        if msg:
+            raise CheckpointError(msg)
 
     def _prune(self):
         done = sorted(p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and not (p / MILESTONE).exists())
@@ -317,7 +345,16 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         _dcp_load(state, path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return torch.load(path / TRAIN_STATE, weights_only=False)
+        return read_train_state(path)
+
+
+def read_train_state(path: Path) -> dict:
+    """train_state.pt of a complete checkpoint (step, data position, config, ...), without loading the model."""
+    try:
+        return torch.load(Path(path) / TRAIN_STATE, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a truncated or overwritten file raises anything
+        raise CheckpointError(f"checkpoint {path} is corrupted: its {TRAIN_STATE} cannot be read "
+                              f"({type(e).__name__}: {_first_line(e)})") from None
 
 
 def load_model_only(path: Path, model) -> None:
@@ -401,8 +438,54 @@ def _dcp_load(state: dict, path: Path) -> None:
     except BaseException as e:  # noqa: BLE001 - DCP raises many types (CheckpointException is a BaseException)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
+        e = _root_cause(e)
         raise CheckpointError(f"could not load checkpoint {path}: {type(e).__name__}: {_first_line(e)} "
                               f"(was it written by a different model config?)") from None
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (whose text is a traceback per rank), and
+    in its chain the operating system's error if there is one (a full disk surfaces as a zip-writer error whose
+    context is the ENOSPC)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return _root_cause(inner)
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError) and cur.errno:
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return e
+
+
+def _quiet_writer_threads() -> None:
+    """DCP's extra writer threads (checkpoint.writer_threads > 1) let a write error escape to
+    threading.excepthook, which prints a traceback per thread; the save itself fails too and is reported in one
+    line (CheckpointError), so those threads' tracebacks are logged at debug level only. Other threads keep the
+    previous hook."""
+    import threading
+    previous = threading.excepthook
+    if getattr(previous, "_logo_dcp_quiet", False):
+        return
+
+    def hook(args):
+        if args.thread is not None and "_write_files_from_queue" in args.thread.name:
+            log.debug("checkpoint writer thread %s: %s: %s", args.thread.name, args.exc_type.__name__, args.exc_value)
+            return
+        previous(args)
+    hook._logo_dcp_quiet = True
+    threading.excepthook = hook
+
+
+def _free(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB"
+    except OSError:
+        return "unknown space"
 
 
 def _first_line(e: BaseException) -> str:

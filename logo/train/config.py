@@ -125,6 +125,9 @@ class EvalConfig:
 class RunConfig:
     name: str = ""  # default: <model>-<attention>-<stage>
     dir: str = ""  # default: runs/<name>
+    # the run directory's lock (logo/train/rundir.py): on filesystems without fcntl locks, a holder whose heartbeat
+    # is older than this is taken to be dead
+    lock_stale_minutes: float = 10.0
 
 
 @dataclass
@@ -228,6 +231,8 @@ def validate(c: Config) -> None:
         v = getattr(c.parallel, name)
         if not isinstance(v, int) or not 0 <= v <= 4:
             _fail(f"parallel.{name}", v, "must be an integer in [0, 4] (units prefetched ahead)")
+    if not isinstance(c.run.lock_stale_minutes, (int, float)) or c.run.lock_stale_minutes <= 0:
+        _fail("run.lock_stale_minutes", c.run.lock_stale_minutes, "must be > 0")
     ck = c.checkpoint
     if ck.async_mode not in ("none", "async", "async_pinned"):
         _fail("checkpoint.async_mode", ck.async_mode, "choose none, async or async_pinned")

@@ -31,10 +31,11 @@ from logo.config import ConfigError
 from logo.eval.heldout import HeldOutEval
 from logo.model import BudgetController, Transformer
 from logo.parallelize import build_dp_mesh, parallelize
-from logo.train.checkpoint import Checkpointer, load_model_only, resolve_checkpoint
+from logo.train.checkpoint import CheckpointError, Checkpointer, load_model_only, read_train_state, resolve_checkpoint
 from logo.train.config import Config
 from logo.train.metrics import MetricsLogger, console_line
 from logo.train.plan import Plan, make_plan
+from logo.train.rundir import RunLock, config_drift
 from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
                              read_back, spread, train_step)
 
@@ -97,6 +98,8 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.de
     else:
         path = Path(cfg.data.path)
     ds = ShardDataset(path, "train", tokenizer=cfg.data.tokenizer)
+    if ds.token_limit is None:
+        ds.token_limit = cfg.model.vocab_size
     if ds.vocab_size and ds.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"invalid config model.vocab_size={cfg.model.vocab_size}: the corpus {path} has a "
                           f"vocabulary of {ds.vocab_size} tokens")
@@ -191,6 +194,47 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     `save_final=False` skips the checkpoint after the last step (benchmarks)."""
     device, rank, world = _setup_distributed(cfg)
     plan = make_plan(cfg, world, attention_name)
+    lock = _lock_run_dir(Path(plan.run_dir), rank, world, cfg.run.lock_stale_minutes)
+    try:
+        return _train(cfg, resolved, plan, device, rank, world, on_step_end, save_final)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_run_dir(run_dir: Path, rank: int, world: int, stale_minutes: float):
+    """Rank 0 takes the run directory's lock before anything is written there; every rank fails together."""
+    from logo.train.rundir import RunDirLocked
+    lock, msg = None, ""
+    if rank == 0:
+        try:
+            lock = RunLock(run_dir, 60 * stale_minutes).acquire()
+        except RunDirLocked as e:
+            msg = str(e)
+    if world > 1:
+        box = [msg]
+        dist.broadcast_object_list(box, src=0)
+        msg = box[0]
+    if msg:
+        raise RunDirLocked(msg)
+    return lock
+
+
+def _check_resume(latest: Path, resolved: dict, run_dir: Path) -> None:
+    """Before anything is built: the checkpoint's config (or the run's config.yaml) must equal this one in
+    every field that changes the model or the data order."""
+    saved = read_train_state(latest).get("config")
+    if saved is None and (run_dir / "config.yaml").exists():
+        saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    diffs = config_drift(saved, resolved) if saved is not None else []
+    if diffs:
+        raise ConfigError(f"config drift on resume from {latest}: {'; '.join(diffs)}. These change the model or the "
+                          f"data order of the checkpointed run: restore them, or start a fresh run directory "
+                          f"(run.dir=NEW_DIR or run.name=NEW_NAME)")
+
+
+def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: int, world: int, on_step_end,
+           save_final: bool) -> dict:
     run_dir = Path(plan.run_dir)
     cfg.model.attention.threshold_init = plan.threshold_init
     # Resume wins over init_from; either is checked before anything is built, so a bad path fails at once.
@@ -199,6 +243,8 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                         dist.new_group(backend="gloo") if world > 1 and ck.async_mode != "none" else None)
     latest = ckpt.latest() if cfg.checkpoint.resume else None
     init_from = resolve_checkpoint(cfg.checkpoint.init_from) if cfg.checkpoint.init_from and latest is None else None
+    if latest is not None:
+        _check_resume(latest, resolved, run_dir)
     if rank == 0:
         plan.write(run_dir)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
@@ -228,6 +274,9 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
         step, wandb_id = st["step"], st.get("wandb_id")
         sched.load_state_dict(st["lr_scheduler"])
         loader.load_state_dict(st["data"])
+        if st["data"]["batches_consumed"] != step:  # one global batch per optimizer step
+            raise CheckpointError(f"checkpoint {latest} is inconsistent: step {step} but its data position is "
+                                  f"{st['data']['batches_consumed']} global batches")
         _set_rng_state(st["rng"])
         if rank == 0:
             log.info("resumed from %s (step %d)", latest, step)
@@ -287,7 +336,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                     ckpt.save(step, model, opt, {
                         "step": step, "lr_scheduler": sched.state_dict(), "data": loader.state_dict(),
                         "rng": _rng_states_all_ranks(), "wandb_id": metrics_log.wandb_id if metrics_log else None,
-                        "plan": plan.to_json()}, milestone=milestone, wait=last_step or stop_now)
+                        "plan": plan.to_json(), "config": resolved}, milestone=milestone, wait=last_step or stop_now)
                 last_save = time.monotonic()
             if log_now:
                 with phase("log"):
@@ -367,7 +416,11 @@ def dry_run(cfg: Config, resolved: dict, attention_name: str = "") -> Plan:
     plan = make_plan(cfg, world, attention_name)
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(plan.run_dir)
-        plan.write(run_dir)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        lock = RunLock(run_dir, 60 * cfg.run.lock_stale_minutes).acquire()  # not over a live run's files
+        try:
+            plan.write(run_dir)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        finally:
+            lock.release()
         print(f"dry run: {plan.run_name}\n{plan.table()}\nwrote {run_dir / 'plan.json'}")
     return plan
