@@ -25,6 +25,7 @@ def main(cfg: DictConfig) -> None:
     from logo.config import ConfigError
     from logo.train.checkpoint import CheckpointError
     from logo.train.config import to_dataclass
+    from logo.train.rundir import RunDirLocked
     from logo.train.trainer import TrainingDiverged, dry_run, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
@@ -41,7 +42,7 @@ def main(cfg: DictConfig) -> None:
             dry_run(conf, resolved, attention_name)
         else:
             train(conf, resolved, attention_name)
-    except (ConfigError, DataError, CheckpointError, TrainingDiverged) as e:
+    except (ConfigError, DataError, CheckpointError, TrainingDiverged, RunDirLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

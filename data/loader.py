@@ -70,6 +70,10 @@ class ShardDataset:
         self.split = split
         self.eos = tok["eos"]
         self.vocab_size = tok.get("vocab_size")
+        # token ids must be below this (the tokenizer's vocabulary; the trainer sets the model's when the
+        # manifest has none): a corrupt shard that passed a sizes-only check fails here, naming shard and offset
+        self.token_limit: Optional[int] = self.vocab_size
+        self.shard_names = [shard["name"] for shard in info["shards"]]
         self.tokens: list[np.ndarray] = []  # per shard: (n_s,) uint32
         self.ends: list[np.ndarray] = []  # per shard: (docs_s,) uint64 exclusive document ends, local
         for shard in info["shards"]:
@@ -100,9 +104,18 @@ class ShardDataset:
         pos, filled = start - int(self.shard_starts[s]), 0
         while filled < length:
             take = min(length - filled, self.tokens[s].size - pos)
-            out[filled:filled + take] = self.tokens[s][pos:pos + take]
+            chunk = self.tokens[s][pos:pos + take]
+            out[filled:filled + take] = chunk
+            if self.token_limit is not None and take and int(chunk.max()) >= self.token_limit:
+                self._out_of_range(s, pos, chunk)
             filled, s, pos = filled + take, s + 1, 0
         return out
+
+    def _out_of_range(self, s: int, pos: int, chunk: np.ndarray) -> None:
+        j = int(np.argmax(chunk >= self.token_limit))
+        raise DataError(f"token id {int(chunk[j])} at token offset {pos + j} of shard "
+                        f"{self.root / self.shard_names[s]}.bin is outside the vocabulary ({self.token_limit} ids): "
+                        f"the shard is corrupt or from another tokenizer; restore it or prepare the corpus again")
 
     def doc_boundaries(self, start: int, length: int) -> np.ndarray:
         """Offsets (relative to start) in (0, length) where a new document begins -> (k,) int64."""

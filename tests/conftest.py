@@ -20,19 +20,25 @@ TINY_RUN = ["model=tiny", "stage.seq_len=64", "stage.global_batch_tokens=256", "
             "attention.window=16", "attention.gamma=0.01"]
 
 
-def train_cmd(*overrides, nproc: int = 1) -> list:
+def train_cmd(*overrides, nproc: int = 1, fault: bool = False) -> list:
+    """The train.py command line; `fault`: through tests/fault_entry.py (a fault injected per LOGO_FAULT)."""
+    script = str(ROOT / "tests" / "fault_entry.py") if fault else str(ROOT / "train.py")
     if nproc > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                str(ROOT / "train.py"), *overrides]
-    return [sys.executable, str(ROOT / "train.py"), *overrides]
+                script, *overrides]
+    return [sys.executable, script, *overrides]
 
 
-def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True, env=None, cwd=None):
+def train_env(nproc: int = 1, env=None) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+            "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+
+
+def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True, env=None, cwd=None,
+              fault: bool = False):
     """Run train.py in a subprocess; returns the CompletedProcess (stdout/stderr as text)."""
-    e = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-         "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    p = subprocess.run(train_cmd(*overrides, nproc=nproc), cwd=cwd or ROOT, env=e, capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(train_cmd(*overrides, nproc=nproc, fault=fault), cwd=cwd or ROOT, env=train_env(nproc, env),
+                       capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py {' '.join(overrides)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}"
                              f"\n--- stderr\n{p.stderr[-4000:]}")
@@ -48,3 +54,29 @@ def default_corpus():
     """Build (or reuse) the embedded default corpus once per session."""
     from data.default_corpus import ensure_default_corpus
     return ensure_default_corpus()
+
+
+# The checkpoint and fault tests' reference: 5 steps, a synchronous save every 2 steps (kept) and at the end.
+CKPT_STEPS = 5
+CKPT_ARGS = [*TINY_RUN, f"train.steps={CKPT_STEPS}", "checkpoint.interval=2", "checkpoint.keep=10", "eval.interval=0"]
+SLOW_BOX_TIMEOUT = 900  # seconds per training run: the shared CPU box can be slow
+
+
+@pytest.fixture(scope="session")
+def sync_reference(tmp_path_factory, default_corpus):
+    """CKPT_ARGS with synchronous saves, uninterrupted: checkpoints at steps 2, 4, 5."""
+    d = tmp_path_factory.mktemp("sync_reference")
+    run_train(*CKPT_ARGS, "checkpoint.async_mode=none", f"run.dir={d}", timeout=SLOW_BOX_TIMEOUT)
+    return d
+
+
+def same_rows(a: list, b: list, steps) -> None:
+    """Training records equal (losses, LR, grad norm, thresholds, ratios), timings and checkpoint figures aside."""
+    ra = {r["step"]: r for r in a if "loss" in r}
+    rb = {r["step"]: r for r in b if "loss" in r}
+    assert sorted(rb) == list(steps)
+    for s in steps:
+        for k, v in ra[s].items():
+            if k in ("tokens_per_s", "memory_gib") or k.startswith(("step_time", "checkpoint/")):
+                continue
+            assert rb[s][k] == v, (s, k, v, rb[s].get(k))

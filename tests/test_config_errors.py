@@ -36,6 +36,11 @@ def load(*overrides):
     (["parallel.backward_prefetch=9"], "parallel.backward_prefetch"),
     (["eval.interval=-1"], "eval.interval"),
     (["eval.interval=10", "eval.tokens=0"], "eval.tokens"),
+    (["checkpoint.async_mode=background"], "checkpoint.async_mode"),
+    (["checkpoint.interval_minutes=-5"], "checkpoint.interval_minutes"),
+    (["checkpoint.keep_every_tokens=-1"], "checkpoint.keep_every_tokens"),
+    (["checkpoint.writer_threads=0"], "checkpoint.writer_threads"),
+    (["run.lock_stale_minutes=0"], "run.lock_stale_minutes"),
 ])
 def test_bad_value_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:

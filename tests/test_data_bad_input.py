@@ -123,3 +123,20 @@ def test_manifest_problems_and_tokenizer_mismatch(prepared, tmp_path):
         ShardDataset(tmp_path / "x")
     with pytest.raises(DataError, match="does not exist"):
         ShardDataset(tmp_path / "y")
+
+
+def test_token_id_outside_the_vocabulary_names_shard_and_offset(prepared):
+    """Sizes-only verification (large corpora) does not read the tokens; the loader's range check does."""
+    import numpy as np
+    out, _ = prepared
+    shard = out / "train_00001.bin"
+    tokens = np.fromfile(shard, dtype=np.uint32)
+    ds = ShardDataset(out, verify_checksums=False)
+    tokens[7] = ds.vocab_size + 5
+    tokens.tofile(shard)
+    ds = ShardDataset(out, verify_checksums=False)
+    start = int(ds.shard_starts[1])
+    ds.read(0, start)  # shard 0 is fine
+    with pytest.raises(DataError, match=rf"token id {ds.vocab_size + 5} at token offset 7 of shard .*train_00001.bin "
+                                        rf"is outside the vocabulary \({ds.vocab_size} ids\)"):
+        ds.read(start - 3, 20)

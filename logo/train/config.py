@@ -71,7 +71,13 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = 100  # steps between checkpoints (and one at the end)
+    interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0 = off
     keep: int = 3  # keep the last k
+    keep_every_tokens: int = 0  # also save at every multiple of this many tokens and never prune those; 0 = off
+    # none: the loop waits for the write | async: copy to host memory, write in the background | async_pinned:
+    # the same with a reused pinned buffer filled while the next step computes (docs/training.md, "Checkpoints")
+    async_mode: str = "async_pinned"
+    writer_threads: int = 4  # DCP FileSystemWriter threads per rank (one file per thread)
     # A previous stage's checkpoint (run dir or step folder): model + thresholds only (context extension); or
     # hf:DIR, a Hugging Face folder of matching shape (a logo export or a Llama model; docs/export.md).
     init_from: str = ""
@@ -130,6 +136,9 @@ class EvalConfig:
 class RunConfig:
     name: str = ""  # default: <model>-<attention>-<stage>
     dir: str = ""  # default: runs/<name>
+    # the run directory's lock (logo/train/rundir.py): on filesystems without fcntl locks, a holder whose heartbeat
+    # is older than this is taken to be dead
+    lock_stale_minutes: float = 10.0
 
 
 @dataclass
@@ -258,6 +267,17 @@ def validate(c: Config) -> None:
         _fail("logging.ratio_window", c.logging.ratio_window, "must be an integer >= 0 (0 = logging.interval)")
     if not (c.logging.budget_tolerance >= 0):
         _fail("logging.budget_tolerance", c.logging.budget_tolerance, "must be >= 0 (0 = no budget warning)")
+    if not isinstance(c.run.lock_stale_minutes, (int, float)) or c.run.lock_stale_minutes <= 0:
+        _fail("run.lock_stale_minutes", c.run.lock_stale_minutes, "must be > 0")
+    ck = c.checkpoint
+    if ck.async_mode not in ("none", "async", "async_pinned"):
+        _fail("checkpoint.async_mode", ck.async_mode, "choose none, async or async_pinned")
+    if not isinstance(ck.interval_minutes, (int, float)) or ck.interval_minutes < 0:
+        _fail("checkpoint.interval_minutes", ck.interval_minutes, "must be >= 0 (0 = off)")
+    if not isinstance(ck.keep_every_tokens, int) or ck.keep_every_tokens < 0:
+        _fail("checkpoint.keep_every_tokens", ck.keep_every_tokens, "must be an integer >= 0 (0 = off)")
+    if not isinstance(ck.writer_threads, int) or not 1 <= ck.writer_threads <= 64:
+        _fail("checkpoint.writer_threads", ck.writer_threads, "must be an integer in [1, 64]")
     if c.logging.wandb_mode not in ("auto", "online", "offline"):
         _fail("logging.wandb_mode", c.logging.wandb_mode, "choose auto, online or offline")
     for name, v in (("eval.interval", c.eval.interval), ("eval.tokens", c.eval.tokens),

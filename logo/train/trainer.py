@@ -15,6 +15,7 @@ import os
 import random
 import resource
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -33,10 +34,11 @@ from logo.model import BudgetController, Transformer
 from logo.model.flops import mfu, peak_bf16_flops, realized_ratios
 from logo.model.lm_head import resolve_loss_impl
 from logo.parallel import ParallelDims, parallelize
-from logo.train.checkpoint import Checkpointer, load_model_only, resolve_checkpoint
+from logo.train.checkpoint import CheckpointError, Checkpointer, load_model_only, read_train_state, resolve_checkpoint
 from logo.train.config import Config
 from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
 from logo.train.plan import Plan, make_plan
+from logo.train.rundir import RunLock, config_drift
 from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
                              read_back, spread, train_step)
 
@@ -55,14 +57,15 @@ class _StopRequest:
     def _handler(self, signum, frame):
         self.signal = signal.Signals(signum).name
 
-    def requested(self, group) -> bool:
-        """True on every rank once any rank got a signal. Distributed: one all-reduce of a CPU flag over a
+    def requested(self, group, save_due: bool = False) -> tuple[bool, bool]:
+        """(stop, save_due): stop is True on every rank once any rank got a signal; save_due is rank 0's
+        time-based checkpoint decision, the same on every rank. Distributed: one all-reduce of CPU flags over a
         gloo group: host-only, it never waits for the GPU (a device flag would need a host sync per step)."""
         if group is None:
-            return self.signal is not None
-        flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32)
+            return self.signal is not None, save_due
+        flag = torch.tensor([1 if self.signal else 0, int(save_due and dist.get_rank() == 0)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag[0])
+        return bool(flag[0]), bool(flag[1])
 
 
 def _host_group(world: int):
@@ -99,6 +102,8 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.de
     else:
         path = Path(cfg.data.path)
     ds = ShardDataset(path, "train", tokenizer=cfg.data.tokenizer)
+    if ds.token_limit is None:
+        ds.token_limit = cfg.model.vocab_size
     if ds.vocab_size and ds.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"invalid config model.vocab_size={cfg.model.vocab_size}: the corpus {path} has a "
                           f"vocabulary of {ds.vocab_size} tokens")
@@ -235,14 +240,59 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     `on_step_end(step)` is called after every step (benchmarks/profile_step.py steps its profiler with it);
     `save_final=False` skips the checkpoint after the last step (benchmarks)."""
     device, rank, world = _setup_distributed(cfg)
-    loss_impl = _loss_impl(cfg, device, rank)  # fails here if train.loss cannot run on this device
+    loss_impl = _loss_impl(cfg, device, rank)  # fails here, before the run directory is locked
     plan = make_plan(cfg, world, attention_name)
+    lock = _lock_run_dir(Path(plan.run_dir), rank, world, cfg.run.lock_stale_minutes)
+    try:
+        return _train(cfg, resolved, plan, device, rank, world, loss_impl, on_step_end, save_final)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_run_dir(run_dir: Path, rank: int, world: int, stale_minutes: float):
+    """Rank 0 takes the run directory's lock before anything is written there; every rank fails together."""
+    from logo.train.rundir import RunDirLocked
+    lock, msg = None, ""
+    if rank == 0:
+        try:
+            lock = RunLock(run_dir, 60 * stale_minutes).acquire()
+        except RunDirLocked as e:
+            msg = str(e)
+    if world > 1:
+        box = [msg]
+        dist.broadcast_object_list(box, src=0)
+        msg = box[0]
+    if msg:
+        raise RunDirLocked(msg)
+    return lock
+
+
+def _check_resume(latest: Path, resolved: dict, run_dir: Path) -> None:
+    """Before anything is built: the checkpoint's config (or the run's config.yaml) must equal this one in
+    every field that changes the model or the data order."""
+    saved = read_train_state(latest).get("config")
+    if saved is None and (run_dir / "config.yaml").exists():
+        saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    diffs = config_drift(saved, resolved) if saved is not None else []
+    if diffs:
+        raise ConfigError(f"config drift on resume from {latest}: {'; '.join(diffs)}. These change the model or the "
+                          f"data order of the checkpointed run: restore them, or start a fresh run directory "
+                          f"(run.dir=NEW_DIR or run.name=NEW_NAME)")
+
+
+def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: int, world: int, loss_impl: str,
+           on_step_end, save_final: bool) -> dict:
     run_dir = Path(plan.run_dir)
     cfg.model.attention.threshold_init = plan.threshold_init
     # Resume wins over init_from; either is checked before anything is built, so a bad path fails at once.
-    ckpt = Checkpointer(run_dir, cfg.checkpoint.keep)
+    ck = cfg.checkpoint
+    ckpt = Checkpointer(run_dir, ck.keep, ck.async_mode, ck.writer_threads,
+                        dist.new_group(backend="gloo") if world > 1 and ck.async_mode != "none" else None)
     latest = ckpt.latest() if cfg.checkpoint.resume else None
     init_from = check_init_from(cfg) if cfg.checkpoint.init_from and latest is None else None
+    if latest is not None:
+        _check_resume(latest, resolved, run_dir)
     if rank == 0:
         plan.write(run_dir)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
@@ -287,6 +337,9 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
         if "controller" in st:  # identical on every rank: rank 0's copy serves all
             ctrl.load_state_dict(st["controller"])
         loader.load_state_dict(st["data"])
+        if st["data"]["batches_consumed"] != step:  # one global batch per optimizer step
+            raise CheckpointError(f"checkpoint {latest} is inconsistent: step {step} but its data position is "
+                                  f"{st['data']['batches_consumed']} global batches")
         _set_rng_state(st["rng"])
         if rank == 0:
             log.info("resumed from %s (step %d)", latest, step)
@@ -309,6 +362,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     if cfg.train.gc_interval:
         gc.collect()
         gc.disable()
+    last_save = time.monotonic()
     try:
         while step < plan.steps:
             with phase("data"):
@@ -318,40 +372,44 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                              loss_impl=loss_impl)
             lr = opt.param_groups[0]["lr"]  # the learning rate of this step
             with phase("optimizer"):
+                ckpt.wait_staging()  # async_pinned: the previous save's host copy is taken before the update
                 optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
             step += 1
             timer.mark()
             if bar is not None:
                 bar.update(1)
 
+            ckpt.poll()  # a finished background write becomes latest
             with phase("stop_check"):
-                stop_now = stop.requested(host_group)
+                stop_now, time_due = stop.requested(
+                    host_group, ck.interval_minutes > 0 and time.monotonic() - last_save >= 60 * ck.interval_minutes)
             with phase("eval"):
                 evaluated = heldout.maybe_evaluate(step, model, autocast)  # {} unless due; every rank takes part
             log_now = step % cfg.logging.interval == 0 or step == plan.steps or bool(evaluated)
-            save_now = (step % cfg.checkpoint.interval == 0 or (step == plan.steps and save_final)) or stop_now
+            milestone = _milestone(step, plan.global_batch_tokens, ck.keep_every_tokens)
+            last_step = step == plan.steps
+            save_now = (step % ck.interval == 0 or (last_step and save_final) or stop_now or time_due or milestone)
             if log_now or save_now:  # the only host syncs of the loop: loss, grad norm, divergence state
                 with phase("sync"):
                     loss, grad_norm, diverged = read_back(out, monitor)
                 DivergenceMonitor.check(diverged, ckpt.latest)  # before any checkpoint of a skipped step
-            if log_now:
-                with phase("log"):
-                    last = _log_step(step, plan, cfg.model, loss, grad_norm, lr, timer.durations(), peak, world,
-                                     device, ctrl, host_group, metrics_log, bar, evaluated)
-                    if rank == 0:
-                        watch.check(step, last)
-            if evaluated:
-                timer.restart()  # the held-out evaluation is not part of the next step's time
             if save_now:
                 with phase("checkpoint"):
                     gc.collect()
-                    path = ckpt.save(step, model, opt, {
+                    ckpt.save(step, model, opt, {
                         "step": step, "lr_scheduler": sched.state_dict(), "data": loader.state_dict(),
-                        "rng": _rng_states_all_ranks(), "controller": ctrl.state_dict(), "wandb_id": metrics_log.wandb_id if metrics_log else None,
-                        "plan": plan.to_json()})
-                if rank == 0:
-                    log.info("saved checkpoint %s", path)
-                timer.restart()  # the save is not part of the next step's time
+                        "rng": _rng_states_all_ranks(), "controller": ctrl.state_dict(),
+                        "wandb_id": metrics_log.wandb_id if metrics_log else None,
+                        "plan": plan.to_json(), "config": resolved}, milestone=milestone, wait=last_step or stop_now)
+                last_save = time.monotonic()
+            if log_now:
+                with phase("log"):
+                    last = _log_step(step, plan, cfg.model, loss, grad_norm, lr, timer.durations(), peak, world,
+                                     device, ctrl, host_group, metrics_log, bar, evaluated, ckpt.take_stats())
+                    if rank == 0:
+                        watch.check(step, last)
+            if evaluated or save_now:
+                timer.restart()  # neither the held-out evaluation nor the save is part of the next step's time
             if cfg.train.gc_interval and step % cfg.train.gc_interval == 0:
                 with phase("gc"):
                     gc.collect(1)
@@ -363,6 +421,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                                 stop.signal or "a stop signal on another rank", step)
                 break
     finally:
+        _close_checkpointer(ckpt, failing=sys.exc_info()[0] is not None)
         gc.enable()
         loader.close()
         if bar is not None:
@@ -378,7 +437,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
 
 def _log_step(step: int, plan: Plan, model_cfg, loss: float, grad_norm: float, lr: float, durations: list, peak,
               world: int, device: torch.device, ctrl: BudgetController, host_group, metrics_log, bar,
-              evaluated: dict) -> dict:
+              evaluated: dict, saves: list) -> dict:
     """The metrics of a logging step (every rank: the collectives), written by rank 0."""
     elapsed = sum(durations) or float("nan")
     m = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -390,6 +449,8 @@ def _log_step(step: int, plan: Plan, model_cfg, loss: float, grad_norm: float, l
         m["mfu"] = mfu(model_cfg, plan.seq_len, plan.params_non_embedding, m["tokens_per_s"], peak * world,
                        realized_ratios(m))
     m.update(evaluated)  # held-out loss when it was due at this step
+    if saves:  # the latest save finished since the last logged step (each one is also on the console)
+        m.update(saves[-1].metrics())
     if world > 1 and ctrl.layers:
         m["logo/threshold_spread"] = _threshold_spread(ctrl)
     if metrics_log is not None:
@@ -409,10 +470,4 @@ def dry_run(cfg: Config, resolved: dict, attention_name: str = "") -> Plan:
     plan = make_plan(cfg, world, attention_name)
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(plan.run_dir)
-        plan.write(run_dir)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        mem = estimate(cfg.model, plan.seq_len, plan.micro_batch, plan.dp, plan.cp, plan.tp)
-        ac = "on" if cfg.train.activation_checkpointing else "off"
-        print(f"dry run: {plan.run_name}\n{plan.table()}\nper-GPU memory estimate (activation checkpointing is "
-              f"{ac} in this config; logo/parallel/memory.py):\n{mem.table()}\nwrote {run_dir / 'plan.json'}")
     return plan

@@ -1,0 +1,181 @@
+"""Asynchronous checkpoints (checkpoint.async_mode): the same run, checkpoints and resume as synchronous saves;
+a kill or SIGTERM while a background write is in flight; time-based saves agreed across ranks; milestones."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, read_metrics, run_train, same_rows,
+                      train_cmd, train_env)
+
+N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
+
+
+def ckpt_names(d) -> list:
+    return sorted(p.name for p in (Path(d) / "checkpoints").iterdir())
+
+
+def final_model(d, tmp_path, name) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = tmp_path / f"{name}.pt"
+    dcp_to_torch_save(str(Path(d) / "checkpoints" / f"step_{N:08d}"), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def test_sync_run_logs_checkpoint_cost(sync_reference):
+    rows = {r["step"]: r for r in read_metrics(sync_reference)}
+    for s in (2, 4, 5):  # synchronous: each save's figures are in its own step's record
+        r = rows[s]
+        assert r["checkpoint/step"] == s and r["checkpoint/gib"] > 0
+        assert r["checkpoint/write_s"] >= r["checkpoint/stall_s"] * 0.99 > 0
+    assert "checkpoint/step" not in rows[1]
+
+
+@pytest.mark.parametrize("mode", ["async", "async_pinned"])
+def test_async_run_and_resume_equal_sync(sync_reference, tmp_path, mode):
+    d = tmp_path / "run"
+    run_train(*ARGS, f"checkpoint.async_mode={mode}", f"run.dir={d}", timeout=T)
+    assert ckpt_names(d) == ckpt_names(sync_reference) == [f"step_{s:08d}" for s in (2, 4, 5)]
+    same_rows(read_metrics(sync_reference), read_metrics(d), range(1, N + 1))
+    a, b = final_model(sync_reference, tmp_path, "a"), final_model(d, tmp_path, "b")
+    for part in ("model", "optim"):
+        ta, tb = torch.utils._pytree.tree_leaves(a[part]), torch.utils._pytree.tree_leaves(b[part])
+        assert len(ta) == len(tb) > 0
+        for x, y in zip(ta, tb):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    saves = [r for r in read_metrics(d) if "checkpoint/step" in r]
+    assert saves[-1]["checkpoint/step"] == N and all(r["checkpoint/gib"] > 0 for r in saves)
+    # resume from the async checkpoint of step 2: steps 3-5 bitwise equal to the uninterrupted run
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(d / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    run_train(*ARGS, f"checkpoint.async_mode={mode}", f"run.dir={resumed}", timeout=T)
+    same_rows(read_metrics(sync_reference), read_metrics(resumed), range(3, N + 1))
+
+
+def _start(run_dir, fault: str, *extra):
+    return subprocess.Popen(train_cmd(*ARGS, *extra, f"run.dir={run_dir}", fault=True), cwd=ROOT,
+                            env=train_env(env={"LOGO_FAULT": fault}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_for(cond, proc, timeout=T):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"train.py exited {proc.returncode} early:\n{proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+def _logged(run_dir, step) -> bool:
+    m = Path(run_dir) / "metrics.jsonl"
+    return m.exists() and any(r.get("step", 0) >= step for r in read_metrics(run_dir) if "loss" in r)
+
+
+def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, tmp_path):
+    """The write of step 4 is slow; training goes on (step 4 is logged after its save started, the loop reaches
+    the final step's save, which waits for it), then SIGKILL: step 2 stays latest, step 4 never becomes visible,
+    and the same command resumes from step 2 and continues bitwise equal."""
+    d = tmp_path / "run"
+    proc = _start(d, "slow_write:4:120", "checkpoint.async_mode=async")
+    _wait_for(lambda: _logged(d, 4), proc)
+    time.sleep(1)
+    assert (d / "checkpoints" / "step_00000004.tmp").exists() and not (d / "checkpoints" / "step_00000004").exists()
+    proc.kill()
+    proc.communicate(timeout=60)
+    from logo.train.checkpoint import Checkpointer
+    assert Checkpointer(d, 10).latest().name == "step_00000002"
+    p = run_train(*ARGS, "checkpoint.async_mode=async", f"run.dir={d}", timeout=T)
+    assert "resumed from" in p.stderr + p.stdout and "step_00000002" in p.stderr + p.stdout
+    same_rows(read_metrics(sync_reference), read_metrics(d), range(1, N + 1))
+    assert ckpt_names(d) == [f"step_{s:08d}" for s in (2, 4, 5)]  # the stale step_4.tmp replaced
+
+
+def test_sigterm_during_background_write_finishes_it_then_saves(tmp_path, default_corpus):
+    d = tmp_path / "run"
+    proc = _start(d, "slow_write:2:60", "checkpoint.async_mode=async_pinned", "checkpoint.interval=2")
+    _wait_for(lambda: _logged(d, 3), proc)
+    assert (d / "checkpoints" / "step_00000002.tmp").exists()  # the write of step 2 is still in flight
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=T)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM" in err + out and "Traceback" not in err
+    names = ckpt_names(d)
+    assert names[0] == "step_00000002" and len(names) == 2 and not any(n.endswith(".tmp") for n in names)
+    assert 3 <= int(names[1].split("_")[1]) < N  # the emergency checkpoint at the step the signal was seen
+
+
+@pytest.mark.slow
+def test_time_interval_same_step_on_every_rank_and_milestones_survive(tmp_path, default_corpus):
+    """interval_minutes (rank 0's clock, agreed over ranks) saves at every step here; with keep=1 only the last
+    and the token milestones (every 512 tokens = every 2 steps) remain. A disagreement would hang DCP."""
+    d = tmp_path / "run"
+    p = run_train(*TINY_RUN, "train.steps=5", "eval.interval=0", "checkpoint.interval=1000", "checkpoint.interval_minutes=0.00001",
+              "checkpoint.keep=1", "checkpoint.keep_every_tokens=512", f"run.dir={d}", nproc=2, timeout=T)
+    assert ckpt_names(d) == [f"step_{s:08d}" for s in (2, 4, 5)]
+    for s in range(1, 6):  # one save per step, each finished once
+        assert (p.stderr + p.stdout).count(f"checkpoint {d / 'checkpoints' / f'step_{s:08d}'}:") == 1
+    for s in (2, 4):
+        assert (d / "checkpoints" / f"step_{s:08d}" / "MILESTONE").exists()
+
+
+def test_host_memory_check_names_the_mode():
+    from logo.train.checkpoint import CheckpointError, host_memory_check
+    host_memory_check(2**30, 4, 8 * 2**30, "async_pinned")  # 4 GiB of 8: fine
+    with pytest.raises(CheckpointError,
+                       match=r"checkpoint.async_mode=async_pinned needs 8.0 GiB .*\(4 ranks x 2.0 GiB\)"):
+        host_memory_check(2**31, 4, 8 * 2**30, "async_pinned")
+
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                  reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["none", "async", "async_pinned"])
+def test_checkpoint_holds_the_state_of_its_step(tmp_path, device, mode):
+    """The loop goes on (the next forward, backward and update) while a save is in flight; what is written is
+    still, bitwise, the model and optimizer state of the saved step (async_pinned on CUDA: copied on a side
+    stream during the next step's forward/backward, waited for before its update)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from logo.train.checkpoint import Checkpointer
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step():
+        model(torch.randn(32, 64, device=device)).square().mean().backward()
+        ckpt.wait_staging()  # as the trainer does before every update
+        opt.step()
+        opt.zero_grad()
+
+    ckpt = Checkpointer(tmp_path, keep=2, async_mode=mode, writer_threads=2)
+    step()
+    expected = torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                                            get_state_dict(model, opt))
+    ckpt.save(1, model, opt, {"step": 1})
+    for _ in range(3):
+        step()
+    ckpt.close()
+    assert ckpt.latest().name == "step_00000001" and ckpt.take_stats()[0].gib > 0
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(device)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh(torch.randn(2, 64, device=device)).sum().backward()
+    fresh_opt.step()  # optimizer state to load into
+    assert Checkpointer(tmp_path, keep=2).load(ckpt.latest(), fresh, fresh_opt)["step"] == 1
+    got = get_state_dict(fresh, fresh_opt)
+    la, lb = torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(got)
+    assert len(la) == len(lb) > 4
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
