@@ -243,3 +243,22 @@ def test_quantile_controller_on_gpu_bf16_matches_cpu_histogram():
         ctrl.step()
     tail = torch.stack(ratios[-8:]).mean(0)
     assert torch.all((tail - rho).abs() < 0.02), tail
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("os").environ.get("LOGO_TEST_LONG") != "1",
+                    reason="the whole default CPU run (~6 min on 2 cores): set LOGO_TEST_LONG=1")
+def test_default_cpu_run_holds_rho_per_layer_with_the_quantile_controller(tmp_path, default_corpus):
+    """README's default `python train.py` (100 steps) with attention.budget_control=quantile: every layer's mean
+    realized ratio over the last 20% of steps is within 0.05 of rho (issue 13)."""
+    from conftest import read_metrics, run_train
+    run_train("attention.budget_control=quantile", "logging.interval=1", "logging.progress_bar=false",
+              f"run.dir={tmp_path}", timeout=1500)
+    rows = read_metrics(tmp_path)
+    steps = rows[-1]["step"]
+    tail = [r for r in rows if r["step"] > 0.8 * steps]
+    assert len(tail) >= 0.2 * steps - 1
+    rho = 0.5
+    for i in range(L):
+        mean = sum(r[f"logo/ratio/layer_{i}"] for r in tail) / len(tail)
+        assert abs(mean - rho) <= 0.05, (i, mean, [r[f"logo/ratio/layer_{i}"] for r in tail])

@@ -435,6 +435,23 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     return {"step": step, **last}
 
 
+def _milestone(step: int, batch_tokens: int, every: int) -> bool:
+    """True at the first step whose token count reaches the next multiple of `every` (0: never)."""
+    return every > 0 and step * batch_tokens // every > (step - 1) * batch_tokens // every
+
+
+def _close_checkpointer(ckpt: Checkpointer, failing: bool) -> None:
+    """Finish the in-flight save (it holds a good state) at the end, on SIGTERM and on errors. While another
+    error propagates, a failing save is only logged."""
+    if not failing:
+        ckpt.close()
+        return
+    try:
+        ckpt.close()
+    except Exception as e:  # noqa: BLE001
+        log.warning("%s", e)
+
+
 def _log_step(step: int, plan: Plan, model_cfg, loss: float, grad_norm: float, lr: float, durations: list, peak,
               world: int, device: torch.device, ctrl: BudgetController, host_group, metrics_log, bar,
               evaluated: dict, saves: list) -> dict:
@@ -470,4 +487,14 @@ def dry_run(cfg: Config, resolved: dict, attention_name: str = "") -> Plan:
     plan = make_plan(cfg, world, attention_name)
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(plan.run_dir)
+        lock = RunLock(run_dir, 60 * cfg.run.lock_stale_minutes).acquire()  # not over a live run's files
+        try:
+            plan.write(run_dir)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        finally:
+            lock.release()
+        mem = estimate(cfg.model, plan.seq_len, plan.micro_batch, plan.dp, plan.cp, plan.tp)
+        ac = "on" if cfg.train.activation_checkpointing else "off"
+        print(f"dry run: {plan.run_name}\n{plan.table()}\nper-GPU memory estimate (activation checkpointing is "
+              f"{ac} in this config; logo/parallel/memory.py):\n{mem.table()}\nwrote {run_dir / 'plan.json'}")
     return plan
