@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,22 @@ def same_rows(a: list, b: list, steps) -> None:
             if k in ("tokens_per_s", "memory_gib") or k.startswith(("step_time", "checkpoint/")):
                 continue
             assert rb[s][k] == v, (s, k, v, rb[s].get(k))
+
+
+def wait_for_train(cond, proc, timeout: float = SLOW_BOX_TIMEOUT):
+    """Poll cond() until true while the train.py process `proc` runs; fail if it exits first or on timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"train.py exited {proc.returncode} early:\n{proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+def logged(run_dir, step) -> bool:
+    """metrics.jsonl holds a training row of step `step` or later."""
+    m = Path(run_dir) / "metrics.jsonl"
+    return m.exists() and any(r.get("step", 0) >= step for r in read_metrics(run_dir) if "loss" in r)

@@ -1,6 +1,5 @@
 """Asynchronous checkpoints (checkpoint.async_mode): the same run, checkpoints and resume as synchronous saves;
 a kill or SIGTERM while a background write is in flight; time-based saves agreed across ranks; milestones."""
-import os
 import shutil
 import signal
 import subprocess
@@ -10,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, read_metrics, run_train, same_rows,
-                      train_cmd, train_env)
+from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, logged, read_metrics, run_train,
+                      same_rows, train_cmd, train_env, wait_for_train)
 
 N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
 
@@ -64,21 +63,6 @@ def _start(run_dir, fault: str, *extra):
                             text=True)
 
 
-def _wait_for(cond, proc, timeout=T):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"train.py exited {proc.returncode} early:\n{proc.stderr.read()[-3000:]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("timed out")
-
-
-def _logged(run_dir, step) -> bool:
-    m = Path(run_dir) / "metrics.jsonl"
-    return m.exists() and any(r.get("step", 0) >= step for r in read_metrics(run_dir) if "loss" in r)
 
 
 def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, tmp_path):
@@ -87,7 +71,7 @@ def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, t
     and the same command resumes from step 2 and continues bitwise equal."""
     d = tmp_path / "run"
     proc = _start(d, "slow_write:4:120", "checkpoint.async_mode=async")
-    _wait_for(lambda: _logged(d, 4), proc)
+    wait_for_train(lambda: logged(d, 4), proc)
     time.sleep(1)
     assert (d / "checkpoints" / "step_00000004.tmp").exists() and not (d / "checkpoints" / "step_00000004").exists()
     proc.kill()
@@ -103,7 +87,7 @@ def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, t
 def test_sigterm_during_background_write_finishes_it_then_saves(tmp_path, default_corpus):
     d = tmp_path / "run"
     proc = _start(d, "slow_write:2:60", "checkpoint.async_mode=async_pinned", "checkpoint.interval=2")
-    _wait_for(lambda: _logged(d, 3), proc)
+    wait_for_train(lambda: logged(d, 3), proc)
     assert (d / "checkpoints" / "step_00000002.tmp").exists()  # the write of step 2 is still in flight
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=T)

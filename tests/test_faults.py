@@ -5,13 +5,12 @@ traceback, with the last complete checkpoint intact; a restart continues bitwise
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, read_metrics, run_train, same_rows, train_cmd,
-                      train_env)
+from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, logged, read_metrics, run_train, same_rows,
+                      train_cmd, train_env, wait_for_train)
 
 N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
 
@@ -26,21 +25,6 @@ def start(run_dir, fault: str = "", *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for(cond, proc):
-    deadline = time.time() + T
-    while time.time() < deadline:
-        if cond():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"train.py exited {proc.returncode} early:\n{proc.stderr.read()[-3000:]}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("timed out")
-
-
-def logged(run_dir, step) -> bool:
-    m = Path(run_dir) / "metrics.jsonl"
-    return m.exists() and any(r["step"] >= step for r in read_metrics(run_dir) if "loss" in r)
 
 
 def one_line_error(p) -> str:
@@ -73,7 +57,7 @@ def test_sigkill(sync_reference, tmp_path, point):
     fault, mode, cond = KILL_POINTS[point]
     d = tmp_path / "run"
     proc = start(d, fault, f"checkpoint.async_mode={mode}")
-    wait_for(lambda: cond(d), proc)
+    wait_for_train(lambda: cond(d), proc)
     proc.kill()
     proc.communicate(timeout=60)
     from logo.train.checkpoint import Checkpointer
@@ -86,7 +70,7 @@ def test_sigkill(sync_reference, tmp_path, point):
 def test_second_launch_into_the_same_run_dir_fails_naming_the_holder(sync_reference, tmp_path):
     d = tmp_path / "run"
     first = start(d, "slow_write:2:30")  # stays alive for a while
-    wait_for(lambda: (d / ".lock").exists() and (d / ".lock").read_text().strip(), first)
+    wait_for_train(lambda: (d / ".lock").exists() and (d / ".lock").read_text().strip(), first)
     second = run_train(*ARGS, f"run.dir={d}", check=False, timeout=T)
     line = one_line_error(second)
     assert f"pid {first.pid} on host" in line and str(d) in line

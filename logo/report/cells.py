@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from logo.report.runs import Run
+from logo.train.rundir import flatten
 from logo.report.values import metric
 
 # Config keys that do not change what a run measures: seeds (the axis the cell aggregates over), where and how
@@ -34,15 +35,6 @@ VARIANTS = (
 COMPONENT_ORDER = ("–", "Branch param.", "Normalization", "Output fusion", "Budget control", "Training schedule")
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, name + "."))
-        else:
-            out[name] = v
-    return out
 
 
 def _ignored(key: str) -> bool:
