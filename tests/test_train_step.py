@@ -62,7 +62,8 @@ def test_non_finite_step_is_skipped_on_the_device_and_named():
             else:
                 assert all(torch.equal(x, y) for x, y in zip(a, b))  # moments and the step count
     assert len(good[1]) == 4  # the thresholds of the tiny model's 4 LoGo layers were compared
-    with pytest.raises(TrainingDiverged, match=rf"^training diverged at step {first_bad}: loss nan, grad norm nan "
+    # the loss may stay finite (the fused loss takes its gradients in the forward); the gradient norm does not
+    with pytest.raises(TrainingDiverged, match=rf"^training diverged at step {first_bad}: loss \S+, grad norm nan "
                                                rf"\(not finite\).* those of step {first_bad - 1}\. Last good "
                                                rf"checkpoint: none\."):
         DivergenceMonitor.check(read_back(out, monitor)[2], lambda: None)
@@ -100,9 +101,12 @@ def test_train_py_stops_with_one_line_naming_the_step_and_the_last_good_checkpoi
                  r"(\d+)\. Last good checkpoint: (\S+)\. Lower stage\.lr", errors[0])
     assert m, errors[0]
     bad, before, last_good = int(m.group(1)), int(m.group(2)), m.group(3)
-    assert before == bad - 1 and bad > 2  # the step-2 checkpoint was still good
-    saved = sorted(x.name for x in (tmp_path / "checkpoints").iterdir())
-    assert saved == ["step_00000002"] and last_good == str(tmp_path / "checkpoints" / "step_00000002")
+    assert before == bad - 1 and bad >= 2  # step 1 is finite
+    # every checkpoint before the bad step was written, none at or after it, and the last of them is named
+    ckpts = tmp_path / "checkpoints"
+    good = [f"step_{s:08d}" for s in range(2, bad, 2)]
+    saved = sorted(x.name for x in ckpts.iterdir()) if ckpts.exists() else []
+    assert saved == good and last_good == (str(ckpts / good[-1]) if good else "none"), (saved, last_good)
 
 
 @pytest.mark.gpu
