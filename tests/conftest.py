@@ -1,6 +1,7 @@
 """Shared fixtures for the training and config tests (small, fast settings on the embedded corpus)."""
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -100,3 +101,10 @@ def logged(run_dir, step) -> bool:
     """metrics.jsonl holds a training row of step `step` or later."""
     m = Path(run_dir) / "metrics.jsonl"
     return m.exists() and any(r.get("step", 0) >= step for r in read_metrics(run_dir) if "loss" in r)
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (for a process group's MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -2,13 +2,13 @@
 the whole global batch (counts are summed over ranks before the sign is taken); the model plain or sharded with
 FSDP2 under each choice of the FSDP options."""
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from logo.config import AttentionConfig, model_config
 from logo.model import BudgetController, Transformer
 
@@ -68,16 +68,11 @@ def _worker(rank, port, out_dir, fsdp, budget_control="threshold"):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("fsdp", [f if f == "plain" else pytest.param(f, marks=pytest.mark.slow)
                                   for f in FSDP_OPTIONS])
 def test_thresholds_match_across_ranks_and_single_process(tmp_path, fsdp):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), FSDP_OPTIONS[fsdp]), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), FSDP_OPTIONS[fsdp]), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert torch.equal(r0, r1)
     model = build()
@@ -88,7 +83,7 @@ def test_thresholds_match_across_ranks_and_single_process(tmp_path, fsdp):
 
 def test_quantile_thresholds_match_across_ranks_and_single_process(tmp_path):
     """The quantile controller: histograms are summed over ranks before the quantile is read."""
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), None, "quantile"), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), None, "quantile"), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert torch.equal(r0, r1)
     model = build("quantile")

@@ -8,7 +8,6 @@ dp=2 x cp=2 equal one process; a run saved with dp=2 resumes with tp=2 / cp=2 an
 import json
 import os
 import shutil
-import socket
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 import torch.multiprocessing as mp
 
-from conftest import TINY_RUN, read_metrics, run_train
+from conftest import TINY_RUN, free_port, read_metrics, run_train
 from data.loader import Batch
 from logo.config import AttentionConfig, ModelConfig
 from logo.model import Transformer
@@ -78,16 +77,11 @@ def _worker(rank, port, out_dir, layout, kind):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("kind", [pytest.param("full", marks=pytest.mark.slow), "logo"])
 @pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
 def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, kind):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), layout, kind), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), layout, kind), nprocs=2, join=True)
     model, mb = build(kind), micro_batch()
     out = model(mb.inputs, cu_seqlens=mb.cu_seqlens)
     ref = loss_sum(out, mb.labels)

@@ -6,11 +6,10 @@ different number of rows may differ), decisions and unselected rows bitwise."""
 import pytest
 import torch
 
-from logo.config import AttentionConfig, ModelConfig
 from logo.kernels import reference as R
 from logo.model.layers import PackedSeqs, apply_rope, apply_rope_rows, rope_cos_sin, upcast
-from logo.model.logo_attention import LoGoAttention
 from logo.model.routing import partition, route
+from test_logo_layer import make_layer
 
 
 def old_compact(z, seqs):
@@ -52,18 +51,7 @@ def old_branches(layer, x, q, k, v, cos, sin, seqs):
 
 
 def make(transform="lp", fusion="weighted", seed=0):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64,
-                      attention=AttentionConfig(kind="logo", window=4, transform=transform, fusion=fusion,
-                                                backend="reference")).validate()
-    layer = LoGoAttention(cfg)
-    layer.init_weights(0.3, 0.3)
-    with torch.no_grad():
-        for name, prm in layer.named_parameters():
-            if not name.startswith("w"):
-                prm.add_(0.2 * torch.randn_like(prm))
-        layer.gate.weight.normal_(0, 0.5)
-    return layer.double()
+    return make_layer(seed, dim=32, heads=2, window=4, transform=transform, fusion=fusion, backend="reference")
 
 
 CASES = {  # (B, T, cu_seqlens or None, padded rows (b, from))
