@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +130,8 @@ def worker(args) -> None:
     except torch.OutOfMemoryError as e:
         res = {"status": "oom", "error": str(e).splitlines()[0]}
     except Exception as e:  # noqa: BLE001 - reported in the table, the other runs go on
-        res = {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        res = {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+               "traceback": traceback.format_exc()[-4000:]}
     Path(args.result).write_text(json.dumps(res))
 
 
@@ -147,7 +149,8 @@ def run_one(shape: str, kind: str, compile_: str, ac: str, args) -> dict:
         if result.exists():
             return json.loads(result.read_text())
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        return {"status": "crash", "error": f"exit {p.returncode}: " + " | ".join(tail)}
+        return {"status": "crash", "error": f"exit {p.returncode}: " + " | ".join(tail),
+                "traceback": (p.stderr or p.stdout)[-4000:]}
 
 
 def table(rows: list[dict], shape: str) -> str:
@@ -213,6 +216,9 @@ def main(argv=None) -> None:
     print(f"# model_step on {info['device']} (torch {info['torch']}), loss={args.loss}, warmup {args.warmup}, "
           f"steps {args.steps}", flush=True)
     rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps")}
     for shape in shapes:
         ac = ("on" if SHAPES[shape][3] else "off") if args.ac == "auto" else args.ac
         for comp in compiles:
@@ -224,11 +230,8 @@ def main(argv=None) -> None:
                 rows.append(r)
                 figure = f"{r['ms_per_step']:.1f} ms/step" if r["status"] == "ok" else r["status"]
                 print(f"  {shape} {kind} compile={comp} ac={ac}: {figure} ({r['wall_s']} s)", flush=True)
+                out.write_text(json.dumps({**info, "settings": settings, "results": rows}, indent=1))  # so far
         print("\n" + table([r for r in rows if r["shape"] == shape], shape) + "\n", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps")}
-    out.write_text(json.dumps({**info, "settings": settings, "results": rows}, indent=1))
     print(f"wrote {out}")
 
 

@@ -177,7 +177,19 @@ def analyze(trace: dict, steps: int, device: str, world: int, rank: int) -> dict
                        "wait_ms": sum(t for _, t in syncs.values()) / per,
                        "by_phase": {p: {"per_step": c / n_steps, "wait_ms": t / per} for p, (c, t) in syncs.items()}},
         "host_phase_ms": _host_phase_ms(host, window, per),
+        "top_kernels_ms": _top_kernels(ev, window, per),
     }
+
+
+def _top_kernels(ev, window, per, n: int = 25) -> dict:
+    """The n GPU kernels (by name, first 90 characters) with the most time per step inside the window."""
+    tot, count = defaultdict(float), defaultdict(int)
+    for e in ev:
+        if e.get("cat") == "kernel" and window[0] <= e["ts"] <= window[1]:
+            tot[e["name"][:90]] += e["dur"]
+            count[e["name"][:90]] += 1
+    top = sorted(tot.items(), key=lambda kv: -kv[1])[:n]
+    return {k: {"ms": v / per, "calls": count[k] * 1e3 / per} for k, v in top}
 
 
 def _phase_lookup(host):
@@ -220,6 +232,10 @@ def format_summary(s: dict) -> str:
         lines.append("  host syncs: none on CPU (no device queue)")
     hp = ", ".join(f"{k} {v:.1f}" for k, v in s["host_phase_ms"].items())
     lines.append(f"  host time by phase (ms per step): {hp}")
+    if s.get("top_kernels_ms"):
+        lines.append("  GPU kernels with the most time (ms per step, calls per step):")
+        for k, v in s["top_kernels_ms"].items():
+            lines.append(f"    {v['ms']:8.2f} ms {v['calls']:6.0f}x  {k}")
     return "\n".join(lines)
 
 

@@ -105,7 +105,8 @@ def test_logo_block_compiled_fullgraph_equals_eager(threshold):
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
     got, stats, grads = run_block(compiled, x0, cos, sin, seqs)
-    torch.testing.assert_close(stats, wstats, atol=0, rtol=0)  # same decisions
+    torch.testing.assert_close(stats[:2], wstats[:2], atol=0, rtol=0)  # same decisions: selected, valid counts
+    torch.testing.assert_close(stats, wstats, atol=1e-5, rtol=1e-6)  # sums of p: inductor's reduction order
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, wgrads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
