@@ -163,3 +163,27 @@ def test_checkpoint_holds_the_state_of_its_step(tmp_path, device, mode):
     assert len(la) == len(lb) > 4
     for x, y in zip(la, lb):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+def test_pinned_stager_survives_dcp_closing_it(tmp_path):
+    """torch 2.11's dcp.async_save closes the stager it is given after each upload: the run's stager must still
+    stage the next save (seen on an H100: the second async_pinned save failed with KeyError: <class 'type'>)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from logo.train.checkpoint import Checkpointer
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(tmp_path, keep=3, async_mode="async_pinned")
+    for step in (1, 2, 3):
+        model(torch.randn(4, 8)).sum().backward()
+        ckpt.wait_staging()
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(step, model, opt, {"step": step})
+        ckpt.wait()
+        ckpt._pinned_stager().close()  # what torch 2.11's async_save does once the upload is done
+    ckpt.close()
+    assert [s.step for s in ckpt.take_stats()] == [1, 2, 3]
+    fresh = torch.nn.Linear(8, 8)
+    Checkpointer(tmp_path, keep=3).load(ckpt.latest(), fresh, torch.optim.AdamW(fresh.parameters()))
+    assert torch.equal(fresh.weight, model.weight)

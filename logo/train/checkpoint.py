@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
@@ -201,11 +202,7 @@ class Checkpointer:
 
     def _pinned_stager(self):
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            cuda = torch.cuda.is_available()
-            # pinned memory, async staging thread, non-blocking copies on a side stream (CUDA only); no
-            # shared memory (the writer is a thread of this process)
-            self._stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+            self._stager = ReusedStager(torch.cuda.is_available())
         return self._stager
 
     def wait_staging(self) -> float:
@@ -297,7 +294,7 @@ class Checkpointer:
             self.wait()
         finally:
             if self._stager is not None:
-                self._stager.close()
+                self._stager.release()
                 self._stager = None
 
     def _discard(self, tmp: Path) -> None:
@@ -379,6 +376,25 @@ def resolve_checkpoint(path) -> Path:
         raise CheckpointError(f"checkpoint {path} is not a complete checkpoint (it lacks {TRAIN_STATE} or "
                               f".metadata); pass a run directory or one of its checkpoints/step_* folders")
     return path
+
+
+class ReusedStager(DefaultStager):
+    """async_pinned: one stager for the whole run, so that its pinned host buffers are reused between saves.
+
+    torch 2.11's `dcp.async_save` closes the stager it is given once the upload completes (later versions close
+    only the ones they make), which empties it and fails the next save ("KeyError: <class 'type'>"). DCP's
+    close is a no-op here; the Checkpointer calls `release` at the end of the run."""
+
+    def __init__(self, cuda: bool):
+        # pinned memory, async staging thread, non-blocking copies on a side stream (CUDA only); no shared
+        # memory (the writer is a thread of this process)
+        super().__init__(StagingOptions(cuda, False, True, cuda))
+
+    def close(self) -> None:
+        pass
+
+    def release(self) -> None:
+        super().close()
 
 
 def host_memory_check(state_bytes: int, ranks_per_node: int, available: int, mode: str) -> None:
