@@ -9,9 +9,10 @@ step and row:
 - intra-layer hybrid: dense cache for the global heads, ring buffer for the local heads;
 - LoGo: the local branch reads its ring buffer; global keys/values are computed for every token (keys stay
   dense) into a dense cache; the gate is computed first and the global branch runs only for rows it selects.
-  Batched policy: only the selected rows are computed (contiguous runs of selected rows, cache views, no
-  copy); a step where no row is selected skips the global call entirely. This is at least as good as the
-  paper's policy (skip only when no row is selected, else compute every row and mask).
+  Batched policy: one global call per layer over the rows from the first to the last selected one (a cache
+  view, no copy), whose selected rows are kept; a step where no row is selected skips the global call
+  entirely. This is at least as good as the paper's policy (skip only when no row is selected, else compute
+  every row and mask).
 
 Batches: prompts of different lengths are right-padded (padding is never routed global and never read);
 each row then decodes at its own position. Autocast (bf16) is the caller's: caches take the dtype of the
@@ -48,17 +49,6 @@ class DecodeStats:
     def as_dict(self) -> dict:
         return {"rows": self.rows, "selected": self.selected, "global_fraction": self.selected / max(self.rows, 1),
                 "layer_steps": self.layer_steps, "skipped": self.skipped, "global_calls": self.global_calls}
-
-
-def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted row ids -> contiguous [start, end) runs: [0, 1, 3] -> [(0, 2), (3, 4)]."""
-    out: list[tuple[int, int]] = []
-    for r in rows:
-        if out and out[-1][1] == r:
-            out[-1] = (out[-1][0], r + 1)
-        else:
-            out.append((r, r + 1))
-    return out
 
 
 # --- LoGo global-branch projections from the layer's public building blocks ---------------------------
@@ -151,13 +141,13 @@ def _logo_mix(attn, st: LayerState, x, q, k, v, qr, kr, s: StepInfo, stats: Deco
     if not rows:
         stats.skipped += 1
         return o  # every row local: exactly Norm^L(O^L), no global call
-    qg = apply_rope_rows(_global_q(attn, x[sel], q[sel]), s.cos[sel], s.sin[sel])  # (n, H, D)
-    outs, i = [], 0
-    for a, b in _runs(rows):
-        outs.append(st.dense.attend(qg[i:i + b - a], s.pos[a:b], s.host_pos[a:b], rows=slice(a, b)))
-        i += b - a
-        stats.global_calls += 1
-    og = attn.norm_global(torch.cat(outs))  # (n, H, D)
+    # One attention call over the span of rows first..last selected (a cache view, no copy): the rows in
+    # between that are not selected cost their share of that call, never a call of their own.
+    a, b = rows[0], rows[-1] + 1
+    qg = apply_rope_rows(_global_q(attn, x[a:b], q[a:b]), s.cos[a:b], s.sin[a:b])  # (b - a, H, D)
+    og = st.dense.attend(qg, s.pos[a:b], s.host_pos[a:b], rows=slice(a, b))
+    stats.global_calls += 1
+    og = attn.norm_global(og[sel - a] if len(rows) < b - a else og)  # (n, H, D)
     p_sel = p[sel][:, None, None]
     o_sel = upcast(o[sel])
     fused = ((1.0 - p_sel) * o_sel if attn.attn_cfg.fusion == "weighted" else o_sel) + p_sel * upcast(og)
