@@ -146,6 +146,10 @@ def test_training_curve_chunked_equals_plain(bf16, rtol):
 def test_resolve_and_config_errors():
     assert resolve_loss_impl("auto", "cpu") == "chunked"
     assert resolve_loss_impl("plain", "cpu") == "plain"
+    # auto on CUDA: plain (faster under compile) below 4 GiB of fp32 logits per micro-batch, liger from there
+    from logo.model.lm_head import liger_available
+    assert resolve_loss_impl("auto", "cuda", 8192 * 100352) == "plain"  # 1.5B at 8k: 3.1 GiB
+    assert resolve_loss_impl("auto", "cuda", 32768 * 100352) == ("liger" if liger_available() else "plain")
     with pytest.raises(ValueError, match=r"^invalid config train.loss='liger': liger-kernel needs a CUDA device"):
         resolve_loss_impl("liger", "cpu")
     from logo.train.config import compose

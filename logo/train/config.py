@@ -49,8 +49,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU | fp32 | bf16
     compile: bool = False
     activation_checkpointing: bool = False
-    # LM-head loss: auto (liger on CUDA when installed, else chunked) | liger | chunked | plain (materialised
-    # logits). liger and chunked never hold the (tokens, vocab) logits; see logo/model/lm_head.py.
+    # LM-head loss: auto (CUDA: liger when a micro-batch's fp32 logits reach 4 GiB, else plain; CPU: chunked)
+    # | liger | chunked | plain (materialised logits). liger and chunked never hold the (tokens, vocab) logits;
+    # see logo/model/lm_head.py.
     loss: str = "auto"
     seed: int = 0
     # Python's automatic GC pauses at random points (a straggler for every other rank); instead collect

@@ -161,7 +161,7 @@ def _set_rng_state(states) -> None:
 
 
 def _loss_impl(cfg: Config, device: torch.device, rank: int) -> str:
-    """train.loss resolved for this device (auto: liger on CUDA when installed, else chunked; plain under tensor
+    """train.loss resolved for this device (auto: see logo.model.lm_head; plain under tensor
     parallelism, whose vocab-split LM head returns logits)."""
     if cfg.parallel.tp > 1:
         if cfg.train.loss not in ("auto", "plain"):
@@ -171,7 +171,8 @@ def _loss_impl(cfg: Config, device: torch.device, rank: int) -> str:
     else:
         impl = None
     try:
-        impl = impl or resolve_loss_impl(cfg.train.loss, device)
+        impl = impl or resolve_loss_impl(cfg.train.loss, device,
+                                         cfg.train.micro_batch * cfg.stage.seq_len * cfg.model.vocab_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if rank == 0:
