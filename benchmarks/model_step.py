@@ -7,8 +7,10 @@
 Shapes (`--shapes`): 1.5b-8k (1.5B, 1 x 8192 tokens), 1.5b-32k (1.5B, 1 x 32768 tokens, activation
 checkpointing on), small (dim 256, 8 layers, 4 heads, vocab 512, 32 x 1024 tokens), tiny (CPU smoke test).
 Kinds (`--kinds`): full, local, inter_layer, intra_layer, logo (the conf/attention presets; LoGo without
-P-mask and with its thresholds held at 0.5 (gamma 1e-9): the untrained gate's p is 0.5 +- 1e-3, so about half
-the rows go global in every step, the paper's rho = 0.5; the realized ratio is reported).
+P-mask and with `attention.budget_control=quantile`: each threshold follows the (1 - rho) quantile of the last
+step's gate values, so after the warm-up steps about rho = 0.5 of the rows go global, whatever the untrained
+gate's offset; the realized ratio is reported). Until 2026-11-23 the thresholds were held at 0.5 instead, and
+the untrained gate's offset routed 0.17-0.50 of the rows depending on shape and compile.
 
 Every (shape, kind) runs in a fresh subprocess, so the peak memory is that run's own; a CUDA out-of-memory is
 reported as "oom", a crash as "crash". Each run builds its model and step from the project's own code:
@@ -53,8 +55,8 @@ def overrides(shape: str, kind: str, compile_: bool, ac: bool, loss: str) -> lis
     out = [*extra, f"attention={kind}", f"stage.seq_len={T}", f"stage.global_batch_tokens={T * B}",
            f"train.micro_batch={B}", "train.steps=1", f"train.compile={str(compile_).lower()}",
            f"train.activation_checkpointing={str(ac).lower()}", f"train.loss={loss}"]
-    if kind == "logo":  # thresholds held at 0.5: the untrained gate (p ~ 0.5 +- 1e-3) routes about half the rows
-        out += ["attention.pmask=false", "attention.gamma=1e-9"]
+    if kind == "logo":  # no P-mask; thresholds at the gate's (1 - rho) quantile of the last step: ratio ~ rho
+        out += ["attention.pmask=false", "attention.budget_control=quantile"]
     return out
 
 
