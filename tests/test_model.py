@@ -239,3 +239,34 @@ def test_aux_loss_variant_has_gradient_and_ramps_threshold():
 def test_bad_configs_name_the_field(field, value, cfg):
     with pytest.raises(ConfigError, match=f"{field}={value!r}".replace(".", r"\.")):
         Transformer(ModelConfig(**cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rope_eager_and_compiled_formulas_agree(dtype):
+    """Eager RoPE (a complex multiply) equals the pairwise real formula (what compiled code runs) forward and
+    backward within rounding (the complex kernel may fuse the multiply-adds: 1 ulp in fp32, 1 bf16 ulp after
+    the cast); the compiled function is the real formula itself. Each pair (x0, x1) is rotated by its angle."""
+    from logo.model.layers import _rotate, upcast
+
+    def pairwise(x, cos, sin):
+        xf = upcast(x).unflatten(-1, (-1, 2))
+        x0, x1, c, s = xf[..., 0], xf[..., 1], cos.to(xf.dtype), sin.to(xf.dtype)
+        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 3, 8, dtype=dtype, requires_grad=True)
+    ang = torch.rand(16, 4) * 6.3
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    got, want = _rotate(x, cos, sin), pairwise(x, cos, sin)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(*(torch.autograd.grad(f(x, cos, sin), x, g)[0] for f in (_rotate, pairwise)),
+                               rtol=tol, atol=tol)
+    compiled = torch.compile(_rotate, fullgraph=True, backend="aot_eager")(x, cos, sin)
+    assert torch.equal(compiled, want)
+    # a pair at angle pi/2: (1, 0) -> (0, 1)
+    one = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(_rotate(one, torch.tensor([0.0]).double(), torch.tensor([1.0]).double()),
+                               torch.tensor([0.0, 1.0], dtype=torch.float64))
