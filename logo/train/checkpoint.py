@@ -381,9 +381,10 @@ def resolve_checkpoint(path) -> Path:
 class ReusedStager(DefaultStager):
     """async_pinned: one stager for the whole run, so that its pinned host buffers are reused between saves.
 
-    torch 2.11's `dcp.async_save` closes the stager it is given once the upload completes (later versions close
-    only the ones they make), which empties it and fails the next save ("KeyError: <class 'type'>"). DCP's
-    close is a no-op here; the Checkpointer calls `release` at the end of the run."""
+    On an H100 with torch 2.11 the second async_pinned save failed with "KeyError: <class 'type'>", the error a
+    closed stager gives (its copy dispatch table is emptied): that version's `dcp.async_save` evidently closes
+    the stager it is given after an upload (torch 2.13 closes only the ones it makes). DCP's close is a no-op
+    here; the Checkpointer calls `release` at the end of the run."""
 
     def __init__(self, cuda: bool):
         # pinned memory, async staging thread, non-blocking copies on a side stream (CUDA only); no shared
