@@ -76,7 +76,7 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     T, B = cfg.stage.seq_len, cfg.train.micro_batch
-    loss_impl = resolve_loss_impl(cfg.train.loss, device, B * T * cfg.model.vocab_size)
+    loss_impl = resolve_loss_impl(cfg.train.loss, device, B * T * cfg.model.padded_vocab_size)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(cfg.model)

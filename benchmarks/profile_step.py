@@ -186,8 +186,9 @@ def _top_kernels(ev, window, per, n: int = 25) -> dict:
     tot, count = defaultdict(float), defaultdict(int)
     for e in ev:
         if e.get("cat") == "kernel" and window[0] <= e["ts"] <= window[1]:
-            tot[e["name"][:90]] += e["dur"]
-            count[e["name"][:90]] += 1
+            name = e["name"][:90]
+            tot[name] += e["dur"]
+            count[name] += 1
     top = sorted(tot.items(), key=lambda kv: -kv[1])[:n]
     return {k: {"ms": v / per, "calls": count[k] * 1e3 / per} for k, v in top}
 

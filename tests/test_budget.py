@@ -1,7 +1,6 @@
 """Budget fidelity (issue 13): each controller on synthetic gate streams and on a model whose gate is flat,
 the quantile estimate, windowed ratios, the off-budget warning, and the controller's checkpoint state."""
 import logging
-import math
 
 import pytest
 import torch

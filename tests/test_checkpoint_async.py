@@ -63,8 +63,6 @@ def _start(run_dir, fault: str, *extra):
                             text=True)
 
 
-
-
 def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, tmp_path):
     """The write of step 4 is slow; training goes on (step 4 is logged after its save started, the loop reaches
     the final step's save, which waits for it), then SIGKILL: step 2 stays latest, step 4 never becomes visible,
@@ -120,7 +118,6 @@ def test_host_memory_check_names_the_mode():
         host_memory_check(2**31, 4, 8 * 2**30, "async_pinned")
 
 
-
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                                   reason="needs CUDA")])]
 
@@ -166,9 +163,9 @@ def test_checkpoint_holds_the_state_of_its_step(tmp_path, device, mode):
 
 
 def test_pinned_stager_survives_dcp_closing_it(tmp_path):
-    """torch 2.11's dcp.async_save closes the stager it is given after each upload: the run's stager must still
-    stage the next save (seen on an H100: the second async_pinned save failed with KeyError: <class 'type'>)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """If dcp.async_save closes the stager it is given after an upload (inferred for torch 2.11 from the H100
+    error: the second async_pinned save failed with KeyError: <class 'type'>), the run's stager must still
+    stage the next save."""
     from logo.train.checkpoint import Checkpointer
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
@@ -181,7 +178,7 @@ def test_pinned_stager_survives_dcp_closing_it(tmp_path):
         opt.zero_grad()
         ckpt.save(step, model, opt, {"step": step})
         ckpt.wait()
-        ckpt._pinned_stager().close()  # what torch 2.11's async_save does once the upload is done
+        ckpt._pinned_stager().close()  # what torch 2.11's async_save evidently does once the upload is done
     ckpt.close()
     assert [s.step for s in ckpt.take_stats()] == [1, 2, 3]
     fresh = torch.nn.Linear(8, 8)

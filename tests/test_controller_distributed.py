@@ -68,7 +68,6 @@ def _worker(rank, port, out_dir, fsdp, budget_control="threshold"):
         dist.destroy_process_group()
 
 
-
 @pytest.mark.parametrize("fsdp", [f if f == "plain" else pytest.param(f, marks=pytest.mark.slow)
                                   for f in FSDP_OPTIONS])
 def test_thresholds_match_across_ranks_and_single_process(tmp_path, fsdp):

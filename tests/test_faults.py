@@ -25,8 +25,6 @@ def start(run_dir, fault: str = "", *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-
-
 def one_line_error(p) -> str:
     """The process failed with exit 2 and exactly one `error:` line, no traceback; returns that line."""
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])

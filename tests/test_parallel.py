@@ -77,7 +77,6 @@ def _worker(rank, port, out_dir, layout, kind):
         dist.destroy_process_group()
 
 
-
 @pytest.mark.parametrize("kind", [pytest.param("full", marks=pytest.mark.slow), "logo"])
 @pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
 def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, kind):

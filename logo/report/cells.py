@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from logo.report.runs import Run
-from logo.train.rundir import flatten
 from logo.report.values import metric
+from logo.train.rundir import flatten
 
 # Config keys that do not change what a run measures: seeds (the axis the cell aggregates over), where and how
 # it ran, and where files live (a context-extension stage's init_from names its seed's own pretraining run).
@@ -33,8 +33,6 @@ VARIANTS = (
     ("pmask", False, "w/o P-mask", "Training schedule"),
 )
 COMPONENT_ORDER = ("–", "Branch param.", "Normalization", "Output fusion", "Budget control", "Training schedule")
-
-
 
 
 def _ignored(key: str) -> bool:

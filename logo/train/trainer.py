@@ -172,7 +172,7 @@ def _loss_impl(cfg: Config, device: torch.device, rank: int) -> str:
         impl = None
     try:
         impl = impl or resolve_loss_impl(cfg.train.loss, device,
-                                         cfg.train.micro_batch * cfg.stage.seq_len * cfg.model.vocab_size)
+                                         cfg.train.micro_batch * cfg.stage.seq_len * cfg.model.padded_vocab_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if rank == 0:
