@@ -1,6 +1,8 @@
 """Shared fixtures for the training and config tests (small, fast settings on the embedded corpus)."""
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -51,6 +53,21 @@ def read_metrics(run_dir) -> list:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@contextlib.contextmanager
+def scratch_dir(tmp_path_factory, name: str):
+    """A temp dir for a module or session fixture, removed when the fixture ends.
+
+    Training runs leave checkpoints of 0.3-1 GiB (the tiny model's 100k-token embedding and its Adam moments);
+    pytest keeps a fixture's temp dirs to the end of the session, which added up to ~30 GB over the suite.
+    Function-scoped `tmp_path` dirs of passing tests go right away (tmp_path_retention_policy in pyproject.toml).
+    """
+    d = tmp_path_factory.mktemp(name)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def default_corpus():
     """Build (or reuse) the embedded default corpus once per session."""
@@ -67,9 +84,9 @@ SLOW_BOX_TIMEOUT = 900  # seconds per training run: the shared CPU box can be sl
 @pytest.fixture(scope="session")
 def sync_reference(tmp_path_factory, default_corpus):
     """CKPT_ARGS with synchronous saves, uninterrupted: checkpoints at steps 2, 4, 5."""
-    d = tmp_path_factory.mktemp("sync_reference")
-    run_train(*CKPT_ARGS, "checkpoint.async_mode=none", f"run.dir={d}", timeout=SLOW_BOX_TIMEOUT)
-    return d
+    with scratch_dir(tmp_path_factory, "sync_reference") as d:
+        run_train(*CKPT_ARGS, "checkpoint.async_mode=none", f"run.dir={d}", timeout=SLOW_BOX_TIMEOUT)
+        yield d
 
 
 def same_rows(a: list, b: list, steps) -> None:

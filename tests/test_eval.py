@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, read_metrics, run_train
+from conftest import ROOT, read_metrics, run_train, scratch_dir
 from logo.eval.__main__ import main
 
 FIXTURES = ROOT / "tests" / "fixtures" / "lm_eval"
@@ -24,9 +24,9 @@ RUN = ["model=tiny", f"stage.seq_len={T}", "stage.global_batch_tokens=512", "tra
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, default_corpus):
-    d = tmp_path_factory.mktemp("evalrun")
-    p = run_train(*RUN, f"run.dir={d}")
-    return d, p
+    with scratch_dir(tmp_path_factory, "evalrun") as d:
+        p = run_train(*RUN, f"run.dir={d}")
+        yield d, p
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 import torch.multiprocessing as mp
 
-from conftest import TINY_RUN, free_port, read_metrics, run_train
+from conftest import TINY_RUN, free_port, read_metrics, run_train, scratch_dir
 from data.loader import Batch
 from logo.config import AttentionConfig, ModelConfig
 from logo.model import Transformer
@@ -111,9 +111,9 @@ def _thresholds(row):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, default_corpus):
-    d = tmp_path_factory.mktemp("single")
-    run_train(*ARGS, f"run.dir={d}")
-    return read_metrics(d)
+    with scratch_dir(tmp_path_factory, "single") as d:
+        run_train(*ARGS, f"run.dir={d}")
+        yield read_metrics(d)
 
 
 def _assert_same_steps(a, b):

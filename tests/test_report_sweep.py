@@ -7,7 +7,7 @@ import statistics
 import pandas as pd
 import pytest
 
-from conftest import run_train
+from conftest import run_train, scratch_dir
 from logo.report.__main__ import main
 
 STEPS = 3
@@ -23,13 +23,13 @@ pytestmark = pytest.mark.slow  # eight short training runs (about 2-3 min on 2 i
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, default_corpus):
-    root = tmp_path_factory.mktemp("sweep")
-    run_train(*SWEEP, f"run.dir={root}/runs/${{model.name}}-${{attention.kind}}-seed${{train.seed}}",
-              f"hydra.sweep.dir={root}/hydra", timeout=1200)
-    runs = sorted((root / "runs").iterdir())
-    assert [r.name for r in runs] == [f"{m}-{a}-seed{s}" for m in ("small", "tiny") for a in ("full", "logo")
-                                      for s in (0, 1)]
-    return root, runs
+    with scratch_dir(tmp_path_factory, "sweep") as root:
+        run_train(*SWEEP, f"run.dir={root}/runs/${{model.name}}-${{attention.kind}}-seed${{train.seed}}",
+                  f"hydra.sweep.dir={root}/hydra", timeout=1200)
+        runs = sorted((root / "runs").iterdir())
+        assert [r.name for r in runs] == [f"{m}-{a}-seed{s}" for m in ("small", "tiny") for a in ("full", "logo")
+                                          for s in (0, 1)]
+        yield root, runs
 
 
 def _metrics(run):

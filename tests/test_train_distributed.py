@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import TINY_RUN, read_metrics, run_train
+from conftest import TINY_RUN, read_metrics, run_train, scratch_dir
 
 STEPS = 4
 LAYERS = 4
@@ -21,9 +21,9 @@ OPTIONS = {  # name: (overrides, relative tolerance of loss and grad norm vs the
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, default_corpus):
-    d = tmp_path_factory.mktemp("single")
-    run_train(*ARGS, f"run.dir={d}")
-    return d
+    with scratch_dir(tmp_path_factory, "single") as d:
+        run_train(*ARGS, f"run.dir={d}")
+        yield d
 
 
 @pytest.mark.slow

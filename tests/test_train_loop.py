@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_RUN, read_metrics, run_train, train_cmd
+from conftest import ROOT, TINY_RUN, read_metrics, run_train, scratch_dir, train_cmd
 
 N = 8  # steps of the straight run; the resumed run restarts from step N/2
 LAYERS = 4  # model=tiny
@@ -20,10 +20,10 @@ LAYERS = 4  # model=tiny
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, default_corpus):
     """N steps in one go, checkpoints every N/2 (kept), metrics every step."""
-    d = tmp_path_factory.mktemp("straight")
-    p = run_train(*TINY_RUN, f"train.steps={N}", f"checkpoint.interval={N // 2}", "checkpoint.keep=10",
-                  f"run.dir={d}")
-    return d, p
+    with scratch_dir(tmp_path_factory, "straight") as d:
+        p = run_train(*TINY_RUN, f"train.steps={N}", f"checkpoint.interval={N // 2}", "checkpoint.keep=10",
+                      f"run.dir={d}")
+        yield d, p
 
 
 def test_run_writes_metrics_plan_config_and_checkpoints(straight):
