@@ -263,7 +263,9 @@ def main(argv=None) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     total = args.warmup + 1 + args.steps + 1  # + the profiler's own warm-up step, + one after recording
     try:
-        cfg, resolved, attention = compose([*args.overrides, f"train.steps={total}", "logging.progress_bar=false",
+        # held-out evaluation off unless the overrides turn it on (it would run inside the recorded steps)
+        cfg, resolved, attention = compose(["eval.interval=0", *args.overrides, f"train.steps={total}",
+                                            "logging.progress_bar=false",
                                             f"run.dir={out / 'run'}", "checkpoint.resume=false",
                                             f"checkpoint.interval={10**9}"])
     except ConfigError as e:

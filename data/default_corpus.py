@@ -39,7 +39,11 @@ def stdlib_root() -> Path:
 def source_files(max_files: Optional[int] = None) -> list[Path]:
     """The standard library's .py files, sorted, without test suites (the first max_files if given)."""
     root = stdlib_root()
-    files = [p for p in sorted(root.rglob("*.py")) if not (EXCLUDED_DIRS & set(p.relative_to(root).parts))]
+    files = []
+    for folder, subdirs, names in os.walk(root):  # pruned walk: never enters site-packages (rglob took ~1.5 s)
+        subdirs[:] = [d for d in subdirs if d not in EXCLUDED_DIRS]
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    files.sort()  # Path order (by parts), as before: the documents' order is the data order
     return files[:max_files] if max_files is not None else files
 
 

@@ -94,11 +94,12 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.de
                 dims: ParallelDims) -> StepLoader:
     if cfg.data.kind == "default":
         from data.default_corpus import ensure_default_corpus
-        if rank == 0:
+        if rank == 0:  # builds it on first use; the other ranks wait, then find it
             path = ensure_default_corpus(tokenizer=cfg.data.tokenizer)
         if world > 1:
             dist.barrier()
-        path = ensure_default_corpus(tokenizer=cfg.data.tokenizer)
+        if rank != 0:
+            path = ensure_default_corpus(tokenizer=cfg.data.tokenizer)
     else:
         path = Path(cfg.data.path)
     ds = ShardDataset(path, "train", tokenizer=cfg.data.tokenizer)
