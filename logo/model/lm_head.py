@@ -95,19 +95,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # d(loss)/d(logits) = softmax - onehot(y), zero on ignored rows; in place over the logits
             g = p.div_(total)
             g.scatter_add_(1, y0, -valid.to(g.dtype).unsqueeze(1))
-            g = g.mul_(valid.unsqueeze(1))
-            if fp32:
-                if grad_h:
-                    torch.mm(g, w, out=gh[s:s + chunk_rows])
-                if grad_w:
-                    gw.addmm_(g.t(), hc)
-                continue
-            g = g.to(h.dtype)  # (n, V) in the matmul dtype, as autograd would cast
+            g = g.mul_(valid.unsqueeze(1)).to(h.dtype)  # (n, V) in the matmul dtype, as autograd would cast
             if grad_h:
-                gh[s:s + chunk_rows] = g @ w
-            if grad_w:
-                gw += (g.t() @ hc).float()
-            del g
+                torch.mm(g, w, out=gh[s:s + chunk_rows])
+            if grad_w and fp32:
+                gw.addmm_(g.t(), hc)  # accumulated in place
+            elif grad_w:
+                gw.add_(g.t() @ hc)  # the product in the matmul dtype, accumulated in fp32
         ctx.save_for_backward(gh, gw)
         ctx.w_dtype = w.dtype
         return loss
