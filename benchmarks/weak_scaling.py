@@ -32,8 +32,7 @@ def run_overrides(overrides: list[str], n: int, micro: int, accum: int, seq_len:
                   run_dir: Path, cpu: bool) -> list[str]:
     # held-out evaluation off unless the overrides turn it on: the benchmark times training steps
     return ["eval.interval=0", *overrides, f"stage.global_batch_tokens={n * micro * accum * seq_len}",
-            f"train.micro_batch={micro}",
-            f"train.steps={steps}", "logging.interval=1", "logging.progress_bar=false",
+            f"train.micro_batch={micro}", f"train.steps={steps}", "logging.interval=1", "logging.progress_bar=false",
             f"checkpoint.interval={10**9}", "checkpoint.resume=false", f"run.dir={run_dir}",
             *(["parallel.device=cpu", "parallel.backend=gloo"] if cpu else [])]
 
