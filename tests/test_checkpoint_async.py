@@ -163,14 +163,15 @@ def test_checkpoint_holds_the_state_of_its_step(tmp_path, device, mode):
 
 
 def test_pinned_stager_survives_dcp_closing_it(tmp_path):
-    """If dcp.async_save closes the stager it is given after an upload (inferred for torch 2.11 from the H100
-    error: the second async_pinned save failed with KeyError: <class 'type'>), the run's stager must still
-    stage the next save."""
+    """torch 2.11's DefaultStager closes its inner StateDictStager after every staging (and DCP may close a
+    stager it is given): on the H100 the second async_pinned save failed with KeyError: <class 'type'>. The
+    run's stager must still stage the next save, into the same host buffers."""
     from logo.train.checkpoint import Checkpointer
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ckpt = Checkpointer(tmp_path, keep=3, async_mode="async_pinned")
+    buffers = []
     for step in (1, 2, 3):
         model(torch.randn(4, 8)).sum().backward()
         ckpt.wait_staging()
@@ -178,7 +179,12 @@ def test_pinned_stager_survives_dcp_closing_it(tmp_path):
         opt.zero_grad()
         ckpt.save(step, model, opt, {"step": step})
         ckpt.wait()
-        ckpt._pinned_stager().close()  # what torch 2.11's async_save evidently does once the upload is done
+        stager = ckpt._pinned_stager()
+        cache = stager._state_dict_stager._cached_storage_mapping
+        buffers.append(cache[model.weight.untyped_storage()].data_ptr())
+        stager._state_dict_stager.close()  # what torch 2.11's DefaultStager._stage does after each staging
+        stager.close()  # what a DCP that closes the stagers it is given would do
+    assert buffers[0] == buffers[1] == buffers[2]  # the host copy is reused, not reallocated
     ckpt.close()
     assert [s.step for s in ckpt.take_stats()] == [1, 2, 3]
     fresh = torch.nn.Linear(8, 8)

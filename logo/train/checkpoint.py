@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -378,24 +379,37 @@ def resolve_checkpoint(path) -> Path:
     return path
 
 
-class ReusedStager(DefaultStager):
-    """async_pinned: one stager for the whole run, so that its pinned host buffers are reused between saves.
-
-    On an H100 with torch 2.11 the second async_pinned save failed with "KeyError: <class 'type'>", the error a
-    closed stager gives (its copy dispatch table is emptied): that version's `dcp.async_save` evidently closes
-    the stager it is given after an upload (torch 2.13 closes only the ones it makes). DCP's close is a no-op
-    here; the Checkpointer calls `release` at the end of the run."""
-
-    def __init__(self, cuda: bool):
-        # pinned memory, async staging thread, non-blocking copies on a side stream (CUDA only); no shared
-        # memory (the writer is a thread of this process)
-        super().__init__(StagingOptions(cuda, False, True, cuda))
+class _KeptStateDictStager(StateDictStager):
+    """DCP's tensor-copying stager with a `close` that keeps its host buffers and copy table; `release` frees."""
 
     def close(self) -> None:
         pass
 
     def release(self) -> None:
         super().close()
+
+
+class ReusedStager(DefaultStager):
+    """async_pinned: one stager for the whole run, so that its pinned host buffers are reused between saves.
+
+    torch 2.11's `DefaultStager._stage` closes its inner StateDictStager after every staging (read from 2.11's
+    staging.py on the H100): that empties the host-buffer cache and the copy dispatch table, so a reused stager
+    failed its second save with "KeyError: <class 'type'>" and would never have reused a buffer. Here the inner
+    stager's close is a no-op and so is DCP's close of this one (DCP may close stagers it is given); the
+    Checkpointer calls `release` at the end of the run."""
+
+    def __init__(self, cuda: bool):
+        # pinned memory, async staging thread, non-blocking copies on a side stream (CUDA only); no shared
+        # memory (the writer is a thread of this process)
+        super().__init__(StagingOptions(cuda, False, True, cuda))
+        self._state_dict_stager = _KeptStateDictStager(pin_memory=cuda, share_memory=False)
+
+    def close(self) -> None:
+        pass
+
+    def release(self) -> None:
+        super().close()
+        self._state_dict_stager.release()
 
 
 def host_memory_check(state_bytes: int, ranks_per_node: int, available: int, mode: str) -> None:
