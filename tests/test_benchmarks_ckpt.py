@@ -35,6 +35,13 @@ def test_summary_of_a_known_timeline():
     assert r["window_ratio"] == pytest.approx(4 / 5.5)
     # per save: 0.5 s stall + (3 x 0.5 s extra over 2 saves) = 1.25 s per 100 clean steps
     assert r["overhead_at_100"] == pytest.approx(1.25 / 100)
+    # the first save apart from the later ones: 0.5 s + 2 x 0.5 s extra; 0.5 s + 0.5 s extra
+    assert r["first_overhead_at_100"] == pytest.approx(1.5 / 100)
+    assert r["later_overhead_at_100"] == pytest.approx(1.0 / 100)
+    assert r["first_inflight_step_s"] == r["later_inflight_step_s"] == 1.5
+    assert r["later_window_ratio"] == pytest.approx(4 / (0.5 + 1.5 + 3))
+    assert r["first_stall_s"] == r["later_stall_s"] == 0.5
+    assert "nan" not in checkpoint_stall.format_table([{"gpus": 1, "mode": "async", "threads": 4, **r}], 100)
 
 
 def test_no_save_is_an_error():
