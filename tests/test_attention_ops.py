@@ -107,9 +107,12 @@ def test_logo_block_compiled_fullgraph_equals_eager(threshold):
     got, stats, grads = run_block(compiled, x0, cos, sin, seqs)
     torch.testing.assert_close(stats[:2], wstats[:2], atol=0, rtol=0)  # same decisions: selected, valid counts
     torch.testing.assert_close(stats, wstats, atol=1e-5, rtol=1e-6)  # sums of p: inductor's reduction order
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # fp32: aot_eager (CPU) runs eager's kernels; inductor (GPU) fuses and reorders fp32 reductions (on an H100
+    # outputs differed by up to 4e-5 absolute, 1.2e-4 relative, in 5 of 2048 elements)
+    tol = 2e-4 if CUDA else 1e-5
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     for a, b in zip(grads, wgrads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
 def test_new_selection_counts_do_not_recompile():
