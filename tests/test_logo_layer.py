@@ -200,3 +200,20 @@ def test_attention_never_crosses_documents(kind):
     torch.testing.assert_close(base[0, 10:], after[0, 10:], atol=1e-12, rtol=0)  # other documents untouched
     torch.testing.assert_close(base[1], after[1], atol=1e-12, rtol=0)
     assert not torch.allclose(base[0, :10], after[0, :10])
+
+
+def test_gate_logit_is_fp32_under_autocast():
+    """Routing decisions compare p with the threshold: the gate's product stays fp32 under bf16 autocast."""
+    from logo.model.logo_attention import Gate
+    torch.manual_seed(0)
+    gate = Gate(256)
+    torch.nn.init.normal_(gate.weight, std=0.05)  # logits of std ~0.8
+    x = torch.randn(2, 64, 256)
+    want = gate(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gate(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.unique(want).numel() == want.numel()  # no ties
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = torch.sigmoid(x.flatten(0, 1) @ gate.weight)  # what the gate computed before
+    assert torch.unique(bf16).numel() < want.numel()

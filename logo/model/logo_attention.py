@@ -68,9 +68,11 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))  # w_g
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d) -> (N,) in at least fp32."""
+        """x (B, T, d) -> (N,) in at least fp32. The logit is an fp32 product even under autocast: in bf16 it
+        has 8 bits of mantissa, so many gates would tie at the threshold and decisions would hang on rounding."""
         xf = upcast(x.flatten(0, 1))
-        return torch.sigmoid(xf @ self.weight.to(xf.dtype))
+        with torch.autocast(xf.device.type, enabled=False):
+            return torch.sigmoid(xf @ self.weight.to(xf.dtype))
 
 
 class LoGoAttention(QKVAttention):
