@@ -229,3 +229,29 @@ def test_publish_and_prune_run_off_the_training_loop(tmp_path, monkeypatch, mode
     assert all(s.write_s >= 1.0 for s in stats)  # the publish is part of the write
     assert threads and all(t.startswith("ckpt-publish") for t in threads)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000003"]
+
+
+def test_prestage_allocates_the_buffers_the_first_save_reuses(tmp_path):
+    """async_pinned: `prestage` (after the first optimizer step) allocates the host copy, so the first save only
+    copies into it; the other modes have nothing to allocate ahead."""
+    from logo.train.checkpoint import Checkpointer
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert Checkpointer(tmp_path / "a", keep=1, async_mode="async").prestage(model, opt) == 0.0
+    ckpt = Checkpointer(tmp_path / "p", keep=1, async_mode="async_pinned")
+    assert ckpt.prestage(model, opt) > 0.0
+    assert ckpt.prestage(model, opt) == 0.0  # once per process
+    cache = ckpt._pinned_stager()._state_dict_stager._cached_storage_mapping
+    before = cache[opt.state[model.weight]["exp_avg"].untyped_storage()].data_ptr()
+    ckpt.save(1, model, opt, {"step": 1})
+    ckpt.wait()
+    assert cache[opt.state[model.weight]["exp_avg"].untyped_storage()].data_ptr() == before  # reused
+    ckpt.close()
+    fresh = torch.nn.Linear(8, 8)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    Checkpointer(tmp_path / "p", keep=1).load(ckpt.latest(), fresh, fresh_opt)
+    assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(fresh_opt.state[fresh.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])

@@ -365,6 +365,7 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
         gc.collect()
         gc.disable()
     last_save = time.monotonic()
+    start_step = step
     try:
         while step < plan.steps:
             with phase("data"):
@@ -378,6 +379,13 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
                 optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
             step += 1
             timer.mark()
+            if step == start_step + 1:
+                with phase("checkpoint"):
+                    prestage_s = ckpt.prestage(model, opt)
+                if prestage_s:
+                    timer.restart()  # not part of the next step's time
+                    if rank == 0:
+                        log.info("checkpoint: host buffers for async_pinned saves allocated in %.1f s", prestage_s)
             if bar is not None:
                 bar.update(1)
 
