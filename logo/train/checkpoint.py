@@ -13,7 +13,9 @@ train_state.pt, fsyncs the files and the folder, renames it to `step_N/` and fsy
                 written by a background thread while training goes on.
   async_pinned  the same with one reused (pinned on CUDA) host buffer, filled by DCP's DefaultStager on a side
                 stream while the next step's forward and backward run; the loop waits for the copy only before
-                that step's optimizer update (`wait_staging`).
+                that step's optimizer update (`wait_staging`). `prestage` allocates that buffer after the first
+                optimizer step of the process, so no save pays for allocating and pinning it.
+In the async modes rank 0 publishes a finished write (train_state.pt, fsyncs, rename, pruning) on a side thread.
 At most one save is in flight: a new save, `wait()` and `close()` first finish the previous one.
 """
 from __future__ import annotations
