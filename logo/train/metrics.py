@@ -130,6 +130,14 @@ class MetricsLogger:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
 
+    def log_side(self, step: int, metrics: dict) -> None:
+        """An extra record at a step already logged (JSONL and TensorBoard; W&B keeps one record per step)."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
     def heatmap(self, step: int) -> Optional[Path]:
         """Write <run_dir>/ratio_heatmap.png (layers x steps so far) and add it to TensorBoard."""
         if not self.ratio_history:
