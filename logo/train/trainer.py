@@ -378,14 +378,12 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
                 ckpt.wait_staging()  # async_pinned: the previous save's host copy is taken before the update
                 optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
             step += 1
-            timer.mark()
-            if step == start_step + 1:
+            if step == start_step + 1:  # the first step of the process (its time also holds compilation)
                 with phase("checkpoint"):
                     prestage_s = ckpt.prestage(model, opt)
-                if prestage_s:
-                    timer.restart()  # not part of the next step's time
-                    if rank == 0:
-                        log.info("checkpoint: host buffers for async_pinned saves allocated in %.1f s", prestage_s)
+                if prestage_s and rank == 0:
+                    log.info("checkpoint: host buffers for async_pinned saves allocated in %.1f s", prestage_s)
+            timer.mark()
             if bar is not None:
                 bar.update(1)
 
