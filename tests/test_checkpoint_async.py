@@ -164,6 +164,15 @@ def test_checkpoint_holds_the_state_of_its_step(tmp_path, device, mode):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
+def step_and_save(ckpt, model, opt, step: int) -> None:
+    """One training step of a toy model as the trainer orders it, then a save of that step."""
+    model(torch.randn(4, 8)).sum().backward()
+    ckpt.wait_staging()
+    opt.step()
+    opt.zero_grad()
+    ckpt.save(step, model, opt, {"step": step})
+
+
 def test_pinned_stager_survives_dcp_closing_it(tmp_path):
     """torch 2.11's DefaultStager closes its inner StateDictStager after every staging (and DCP may close a
     stager it is given): on the H100 the second async_pinned save failed with KeyError: <class 'type'>. The
@@ -175,11 +184,7 @@ def test_pinned_stager_survives_dcp_closing_it(tmp_path):
     ckpt = Checkpointer(tmp_path, keep=3, async_mode="async_pinned")
     buffers = []
     for step in (1, 2, 3):
-        model(torch.randn(4, 8)).sum().backward()
-        ckpt.wait_staging()
-        opt.step()
-        opt.zero_grad()
-        ckpt.save(step, model, opt, {"step": step})
+        step_and_save(ckpt, model, opt, step)
         ckpt.wait()
         stager = ckpt._pinned_stager()
         cache = stager._state_dict_stager._cached_storage_mapping
@@ -215,11 +220,7 @@ def test_publish_and_prune_run_off_the_training_loop(tmp_path, monkeypatch, mode
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ckpt = Checkpointer(tmp_path, keep=1, async_mode=mode)
     for step in (1, 2, 3):
-        model(torch.randn(4, 8)).sum().backward()
-        ckpt.wait_staging()
-        opt.step()
-        opt.zero_grad()
-        ckpt.save(step, model, opt, {"step": step})
+        step_and_save(ckpt, model, opt, step)
         deadline = time_.monotonic() + 60
         while ckpt.in_flight and time_.monotonic() < deadline:
             time_.sleep(0.05)

@@ -15,7 +15,7 @@ train_state.pt, fsyncs the files and the folder, renames it to `step_N/` and fsy
                 stream while the next step's forward and backward run; the loop waits for the copy only before
                 that step's optimizer update (`wait_staging`). `prestage` allocates that buffer after the first
                 optimizer step of the process, so no save pays for allocating and pinning it.
-In the async modes rank 0 publishes a finished write (train_state.pt, fsyncs, rename, pruning) on a side thread.
+Rank 0 publishes a finished write (train_state.pt, fsyncs, rename, pruning) on a side thread.
 At most one save is in flight: a new save, `wait()` and `close()` first finish the previous one.
 """
 from __future__ import annotations
@@ -105,7 +105,6 @@ class _InFlight:
     milestone: bool
     started: float
     stall_s: float
-    published: bool = False  # rank 0, async modes: `upload` also covers the publish (a background thread)
 
 
 def _done_future() -> Future:
@@ -127,7 +126,7 @@ class Checkpointer:
         self._inflight: Optional[_InFlight] = None
         _quiet_writer_threads()
         self._stager = None  # async_pinned: one DefaultStager whose host buffers are reused between saves
-        self._publisher: Optional[ThreadPoolExecutor] = None  # rank 0, async modes: fsync, rename and prune
+        self._publisher: Optional[ThreadPoolExecutor] = None  # rank 0: fsyncs, rename and pruning after a write
         self._prestaged = False  # async_pinned: host buffers allocated by `prestage`
         self._memory_checked = async_mode == "none"
         self._prev_bytes: Optional[int] = None  # size of the last checkpoint (free-space check)
@@ -182,13 +181,12 @@ class Checkpointer:
             self._discard(tmp)
             raise CheckpointError(self._failed(step, e)) from None
         self._inflight = _InFlight(step, tmp, final, upload, staging, blob, milestone, t0, 0.0)
-        if self.async_mode != "none" and _rank() == 0:
+        if _rank() == 0:
             # publishing (fsyncs, rename, pruning: deleting an 18 GiB checkpoint took ~7 s on the H100 VM) runs
-            # after the write on a side thread, not in the training loop
+            # after the write on a side thread, not in the training loop; `upload` then covers both
             if self._publisher is None:
                 self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-publish")
             self._inflight.upload = self._publisher.submit(self._upload_then_publish, self._inflight, upload)
-            self._inflight.published = True
         self._inflight.stall_s = time.perf_counter() - t0
         if wait or self.async_mode == "none":
             self.wait()
@@ -277,12 +275,6 @@ class Checkpointer:
         self._inflight = None
         gib = 0.0
         if _rank() == 0:
-            if not p.published:
-                try:
-                    self._publish(p)
-                except OSError as e:
-                    self._discard(p.tmp)
-                    raise CheckpointError(self._failed(p.step, e)) from None
             self._prev_bytes = dir_bytes(p.final)
             gib = self._prev_bytes / 2**30
         now = time.perf_counter()
