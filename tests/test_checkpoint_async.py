@@ -49,8 +49,6 @@ def test_async_run_and_resume_equal_sync(sync_reference, tmp_path, mode):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
     saves = [r for r in read_metrics(d) if "checkpoint/step" in r]
     assert saves[-1]["checkpoint/step"] == N and all(r["checkpoint/gib"] > 0 for r in saves)
-    # every save is recorded once, also when two finish in one logging interval (4 waits for 5's final save)
-    assert sorted(r["checkpoint/step"] for r in saves) == [2, 4, 5]
     # resume from the async checkpoint of step 2: steps 3-5 bitwise equal to the uninterrupted run
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)

@@ -116,7 +116,9 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict, heatmap: bool = False) -> None:
         """Append one record; with `heatmap`, also redraw the ratio heatmap and send it with the same step."""
-        self.log_side(step, metrics)
+        rec = {"step": step, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
         self._remember_ratios(step, metrics)
         extra = {}
         if heatmap and self.heatmap(step) is not None and self.wandb_run is not None:
@@ -124,12 +126,6 @@ class MetricsLogger:
             extra["logo/ratio_heatmap"] = wandb.Image(str(self.run_dir / "ratio_heatmap.png"))
         if self.wandb_run is not None:
             self.wandb_run.log({**metrics, **extra}, step=step)  # one call per step: W&B drops repeated steps
-
-    def log_side(self, step: int, metrics: dict) -> None:
-        """A record in metrics.jsonl and TensorBoard only: `log` uses it, and the trainer for a second record at
-        an already logged step (W&B keeps one record per step)."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)

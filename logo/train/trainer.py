@@ -479,8 +479,6 @@ def _log_step(step: int, plan: Plan, model_cfg, loss: float, grad_norm: float, l
     if world > 1 and ctrl.layers:
         m["logo/threshold_spread"] = _threshold_spread(ctrl)
     if metrics_log is not None:
-        for earlier in saves[:-1]:  # two saves finished in one logging interval (one waited for the other)
-            metrics_log.log_side(step, earlier.metrics())
         metrics_log.log(step, m, heatmap=step % metrics_log.cfg.heatmap_interval == 0)
         line = console_line(step, plan.steps, m)
         (bar.write(line) if bar is not None else print(line, flush=True))
