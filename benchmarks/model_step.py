@@ -3,14 +3,18 @@
     python benchmarks/model_step.py --out benchmarks/results/h100_model_step.json
     python benchmarks/model_step.py --shapes 1.5b-8k --compile on --out benchmarks/results/h100_model_step_compiled.json
     python benchmarks/model_step.py --shapes tiny --kinds full,logo --steps 2 --warmup 0 --out /tmp/s.json  # CPU
+    python benchmarks/model_step.py --shapes 1.5b-8k --kinds logo --set attention.recompute_branch_inputs=never
 
 Shapes (`--shapes`): 1.5b-8k (1.5B, 1 x 8192 tokens), 1.5b-32k (1.5B, 1 x 32768 tokens, activation
 checkpointing on), small (dim 256, 8 layers, 4 heads, vocab 512, 32 x 1024 tokens), tiny (CPU smoke test).
 Kinds (`--kinds`): full, local, inter_layer, intra_layer, logo (the conf/attention presets; LoGo without
 P-mask and with `attention.budget_control=quantile`: each threshold follows the (1 - rho) quantile of the last
 step's gate values, so after the warm-up steps about rho = 0.5 of the rows go global, whatever the untrained
-gate's offset; the realized ratio is reported). Until 2026-11-23 the thresholds were held at 0.5 instead, and
-the untrained gate's offset routed 0.17-0.50 of the rows depending on shape and compile.
+gate's offset; the realized ratio is reported). The learning rate is 0 (the fused AdamW step still does all
+its work): with the weights moving, the untrained gates shifted between steps faster than the quantile of the
+last step followed, and single steps routed 0.04-0.93 of the rows (a 1.5B/8k run reported 0.78 on 2026-11-24);
+with them fixed every step after the first routes rho. Until 2026-11-23 the thresholds were held at 0.5 instead,
+and the untrained gate's offset routed 0.17-0.50 of the rows depending on shape and compile.
 
 Every (shape, kind) runs in a fresh subprocess, so the peak memory is that run's own; a CUDA out-of-memory is
 reported as "oom", a crash as "crash". Each run builds its model and step from the project's own code:
@@ -50,17 +54,18 @@ SHAPES = {  # name: (train.py overrides, seq_len, sequences per step, activation
 DEFAULT_SHAPES = ("1.5b-8k", "1.5b-32k", "small")
 
 
-def overrides(shape: str, kind: str, compile_: bool, ac: bool, loss: str) -> list[str]:
+def overrides(shape: str, kind: str, compile_: bool, ac: bool, loss: str, extra_overrides=()) -> list[str]:
     extra, T, B, _ = SHAPES[shape]
     out = [*extra, f"attention={kind}", f"stage.seq_len={T}", f"stage.global_batch_tokens={T * B}",
            f"train.micro_batch={B}", "train.steps=1", f"train.compile={str(compile_).lower()}",
            f"train.activation_checkpointing={str(ac).lower()}", f"train.loss={loss}"]
     if kind == "logo":  # no P-mask; thresholds at the gate's (1 - rho) quantile of the last step: ratio ~ rho
         out += ["attention.pmask=false", "attention.budget_control=quantile"]
-    return out
+    return out + list(extra_overrides)
 
 
-def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: int, steps: int) -> dict:
+def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: int, steps: int,
+            extra_overrides=()) -> dict:
     """One (shape, kind) run in this process -> its figures (raises on failure)."""
     import torch
 
@@ -72,7 +77,7 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
     from logo.train.config import compose
     from logo.train.step import DivergenceMonitor, make_optimizer, optimizer_step, train_step
 
-    cfg, _, _ = compose(overrides(shape, kind, compile_, ac, loss))
+    cfg, _, _ = compose(overrides(shape, kind, compile_, ac, loss, extra_overrides))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     T, B = cfg.stage.seq_len, cfg.train.micro_batch
@@ -85,7 +90,9 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
     model.init_weights()
     parallelize(model, None, torch.bfloat16 if cuda else torch.float32, ac, compile_)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
-    opt = make_optimizer(model, 1e-4, (0.9, 0.95), 1e-8, 0.1)
+    # lr 0: AdamW does all of its work but the weights stay put, so every step routes the same rows (training
+    # moved the untrained gates faster than any threshold rule follows: realized ratios of 0.1-0.9 per step).
+    opt = make_optimizer(model, 0.0, (0.9, 0.95), 1e-8, 0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ctrl, monitor = BudgetController(model), DivergenceMonitor(device)
     g = torch.Generator().manual_seed(1)
@@ -128,7 +135,7 @@ def worker(args) -> None:
     import torch
     try:
         res = measure(args.shape, args.kind, args.compile == "on", args.ac == "on", args.loss, args.warmup,
-                      args.steps)
+                      args.steps, args.set)
     except torch.OutOfMemoryError as e:
         res = {"status": "oom", "error": str(e).splitlines()[0]}
     except Exception as e:  # noqa: BLE001 - reported in the table, the other runs go on
@@ -143,7 +150,7 @@ def run_one(shape: str, kind: str, compile_: str, ac: str, args) -> dict:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--shape", shape, "--kind", kind,
                "--compile", compile_, "--ac", ac, "--loss", args.loss, "--warmup", str(args.warmup),
-               "--steps", str(args.steps), "--result", str(result)]
+               "--steps", str(args.steps), "--result", str(result), *(f"--set={o}" for o in args.set)]
         try:
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -156,8 +163,9 @@ def run_one(shape: str, kind: str, compile_: str, ac: str, args) -> dict:
 
 
 def table(rows: list[dict], shape: str) -> str:
-    """Markdown table of one shape's runs; the last column is the step time relative to full attention."""
-    full = next((r for r in rows if r["kind"] == "full" and r["status"] == "ok"), None)
+    """Markdown table of one shape's runs; the last column is the step time relative to full attention with the
+    same compile setting."""
+    fulls = {r["compile"]: r for r in rows if r["kind"] == "full" and r["status"] == "ok"}
     lines = [f"### {shape}", "", "| kind | compile | ms/step | tokens/s | MFU | peak GiB | ratio | vs full |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -168,7 +176,8 @@ def table(rows: list[dict], shape: str) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
         ratio = f"{r['realized_ratio']:.3f}" if r["realized_ratio"] is not None else "-"
-        vs = f"{r['ms_per_step'] / full['ms_per_step']:.2f}x" if full and full["compile"] == r["compile"] else "-"
+        full = fulls.get(r["compile"])  # the same compile setting's full attention
+        vs = f"{r['ms_per_step'] / full['ms_per_step']:.2f}x" if full else "-"
         lines.append(f"| {r['kind']} | {r['compile']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
                      f"| {mem} | {ratio} | {vs} |")
     return "\n".join(lines)
@@ -193,6 +202,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="measured steps (the median is reported)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (shape, kind) run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a train.py override for every run (repeatable), e.g. attention.recompute_branch_inputs=never")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)
@@ -220,7 +231,7 @@ def main(argv=None) -> None:
     rows = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps")}
+    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps", "set")}
     for shape in shapes:
         ac = ("on" if SHAPES[shape][3] else "off") if args.ac == "auto" else args.ac
         for comp in compiles:

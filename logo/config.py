@@ -14,6 +14,7 @@ FUSIONS = ("weighted", "additive")
 BUDGET_CONTROLS = ("threshold", "quantile", "aux_loss")
 GLOBAL_LAYER_KINDS = ("full", "logo")
 BACKENDS = ("auto", "reference", "triton")
+RECOMPUTE_MODES = ("compiled", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,11 @@ class AttentionConfig:
     aux_loss_temperature: float = 0.05  # aux_loss: tau of the soft routing surrogate
     gate_init_std: float = 1e-3  # near-zero gate init: p starts ~0.5
     document_mask: bool = True  # keep attention inside documents when the batch carries boundaries
+    # Keep only the attention outputs of the two branches for the backward and recompute their inputs there (the
+    # rotated local q, k and the transformed, rotated global q, k, v; logo/model/recompute.py): compiled | always |
+    # never. On one H100 at 1.5B/8k it saved 3.8 GiB for +2.5% step time compiled, 4.2 GiB for +13% eager
+    # (docs/benchmarks.md); "compiled" (default) recomputes only inside torch.compile.
+    recompute_branch_inputs: str = "compiled"
     backend: str = "auto"  # attention ops: auto (triton on CUDA, reference on CPU) | reference | triton
 
     def validate(self, n_layers: Optional[int] = None, n_heads: Optional[int] = None) -> "AttentionConfig":
@@ -72,6 +78,9 @@ class AttentionConfig:
             _fail("attention.budget_control", self.budget_control, f"choose one of {list(BUDGET_CONTROLS)}")
         if self.global_layer not in GLOBAL_LAYER_KINDS:
             _fail("attention.global_layer", self.global_layer, f"choose one of {list(GLOBAL_LAYER_KINDS)}")
+        if self.recompute_branch_inputs not in RECOMPUTE_MODES:
+            _fail("attention.recompute_branch_inputs", self.recompute_branch_inputs,
+                  f"choose one of {list(RECOMPUTE_MODES)}")
         if self.backend not in BACKENDS:
             _fail("attention.backend", self.backend, f"choose one of {list(BACKENDS)}")
         if not (self.gamma > 0):

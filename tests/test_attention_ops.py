@@ -115,6 +115,37 @@ def test_logo_block_compiled_fullgraph_equals_eager(threshold):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
+def test_compiled_block_keeps_fewer_activations_with_recompute():
+    """attention.recompute_branch_inputs=compiled: a compiled block keeps less for its backward than with never
+    (the policy reaches the compiled graph), with the same outputs and gradients."""
+    device = "cuda" if CUDA else "cpu"
+    B, T = 2, 16
+    results = {}
+    for mode in ("never", "compiled"):
+        block, cfg = logo_block(device)
+        block.attention.attn_cfg.recompute_branch_inputs = mode
+        seqs = PackedSeqs.build(B, T, device)
+        cos, sin = rope_cos_sin(T, cfg.head_dim, 10000.0, device)
+        x0 = torch.randn(B, T, cfg.dim, device=device, generator=torch.Generator(device).manual_seed(2))
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        torch._dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, _, grads = run_block(compiled, x0, cos, sin, seqs)
+        results[mode] = (sum(storages.values()), out, grads)
+    (kept, out, grads), (kept_r, out_r, grads_r) = results["never"], results["compiled"]
+    one_nhd = B * T * cfg.dim * 4  # one (N, H, D) fp32 tensor
+    assert kept - kept_r >= 2 * one_nhd, (kept, kept_r)
+    torch.testing.assert_close(out_r, out, atol=1e-6, rtol=1e-6)
+    for a, b in zip(grads_r, grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_new_selection_counts_do_not_recompile():
     """Sizes that vary per step (how many rows are selected) live on the device: one graph for every threshold."""
     device = "cuda" if CUDA else "cpu"

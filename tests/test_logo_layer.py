@@ -217,3 +217,43 @@ def test_gate_logit_is_fp32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = torch.sigmoid(x.flatten(0, 1) @ gate.weight)  # what the gate computed before
     assert torch.unique(bf16).numel() < want.numel()
+
+
+def _saved_bytes_and_grads(layer, x, seqs, cos, sin):
+    """Forward + backward of the layer: (bytes of the distinct storages autograd kept, output, gradients)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    xx = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _, _ = layer(xx, cos, sin, seqs)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    grads = [xx.grad] + [p.grad.clone() for _, p in sorted(layer.named_parameters())]
+    layer.zero_grad(set_to_none=True)
+    return sum(storages.values()), out.detach(), grads
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(transform="so"), dict(transform="shared"), dict(transform="full")],
+                         ids=["lp", "so", "shared", "full"])
+def test_recomputing_branch_inputs_changes_nothing_but_the_kept_activations(variant):
+    """attention.recompute_branch_inputs=always (vs never): the backward recomputes the rotated local q, k and the global q, k, v
+    instead of keeping them: the same outputs and gradients to the last bit (float64, the recomputation repeats
+    the forward's arithmetic), and fewer (N, H, D) tensors kept: at least four fewer with a transform (the
+    pre-RoPE q, k are kept instead of five rotated or transformed tensors), two with the shared one (four rotated
+    tensors become q and k)."""
+    x, seqs, cos, sin = inputs(2, 20, 48, docs=[0, 7, 20, 33, 40])
+    layer = make_layer(seed=3, **variant)
+    layer.threshold.fill_(0.5)
+    results = {}
+    for recompute in (False, True):
+        layer.attn_cfg.recompute_branch_inputs = "always" if recompute else "never"
+        results[recompute] = _saved_bytes_and_grads(layer, x, seqs, cos, sin)
+    (kept, out, grads), (kept_r, out_r, grads_r) = results[False], results[True]
+    assert torch.equal(out_r, out)
+    for a, b in zip(grads_r, grads):
+        assert torch.equal(a, b)
+    one_nhd = x.numel() * x.element_size()  # N * H * D elements, float64
+    assert kept - kept_r >= (2 if variant.get("transform") == "shared" else 4) * one_nhd, (kept, kept_r, one_nhd)

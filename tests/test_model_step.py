@@ -22,7 +22,8 @@ def test_model_step_cpu_smoke(tmp_path):
     for r in rows:
         assert r["ms_per_step"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 64 / (r["ms_per_step"] / 1e3))
         assert r["loss_impl"] == "chunked" and r["compile"] == "off" and r["ac"] == "off"
-    assert 0.2 < rows[1]["realized_ratio"] < 0.8  # quantile thresholds: about rho = 0.5 global
+    # lr 0 and quantile thresholds: the second step routes rho = 0.5 of the 128 rows, up to ties in the gates
+    assert abs(rows[1]["realized_ratio"] - 0.5) <= 0.05, rows[1]["realized_ratio"]
     assert "| kind | compile | ms/step |" in p.stdout and "| logo | off |" in p.stdout
 
 
@@ -51,3 +52,18 @@ def test_mfu_uses_realized_logo_ratios():
     assert realized_ratios(metrics) == {i: 0.25 for i in range(n)}
     fpt = train_flops_per_token(logo, T, 10**9, realized_ratios(metrics))
     assert mfu(logo, T, 10**9, 1000.0, 1e15, realized_ratios(metrics)) == pytest.approx(fpt * 1000.0 / 1e15)
+
+
+def test_set_overrides_reach_every_run_config():
+    """--set KEY=VALUE is appended to each run's train.py overrides (after the kind's own)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from model_step import overrides, parse_args
+    finally:
+        sys.path.pop(0)
+    from logo.train.config import compose
+    args = parse_args(["--kinds", "logo", "--set", "attention.recompute_branch_inputs=never"])
+    ov = overrides("tiny", "logo", False, False, "auto", args.set)
+    assert ov[-1] == "attention.recompute_branch_inputs=never"
+    cfg, _, _ = compose(ov)
+    assert cfg.model.attention.recompute_branch_inputs == "never" and cfg.model.attention.budget_control == "quantile"

@@ -23,7 +23,8 @@ from logo.config import ModelConfig
 from logo.kernels import dispatch
 from logo.model.attention import QKVAttention
 from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, upcast
-from logo.model.routing import partition, route, routing_stats, soft_ratio
+from logo.model.recompute import recompute_all_but_attention
+from logo.model.routing import Selection, partition, route, routing_stats, soft_ratio
 
 
 class BranchTransform(nn.Module):
@@ -128,22 +129,36 @@ class LoGoAttention(QKVAttention):
     def branches(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
         """Everything between the shared projections and W_o: x (B, T, d), pre-RoPE q, k, v (B, T, H, D)
         -> o (N, H, D), p (N,), z (N,) bool. Static shapes, no host synchronisation."""
-        a = self.attn_cfg
         p = self.gate_probs(x)  # (N,)
         z = route(p, self.threshold, seqs)  # (N,) bool
         sel = partition(z, seqs)
         x, q, k, v = x.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, ...)
+        if self.recompute_branch_inputs():
+            o_local, o_global = recompute_all_but_attention(self.attend, x, q, k, v, cos, sin, seqs, sel)
+        else:
+            o_local, o_global = self.attend(x, q, k, v, cos, sin, seqs, sel)
+        return self.fuse(o_local, o_global, p, z), p, z
+
+    def recompute_branch_inputs(self) -> bool:
+        """attention.recompute_branch_inputs: always, never, or (compiled) only while torch.compile traces."""
+        mode = self.attn_cfg.recompute_branch_inputs
+        return torch.is_grad_enabled() and (mode == "always" or (mode == "compiled" and torch.compiler.is_compiling()))
+
+    def attend(self, x, q, k, v, cos, sin, seqs: PackedSeqs, sel: Selection):
+        """Both branches' attention from the rows' inputs x (N, d) and pre-RoPE q, k, v (N, H, D):
+        -> o_local (N, H, D) every row, o_global (N, H, D) zero at unselected rows."""
+        backend = self.attn_cfg.backend
         qg, kg, vg = self.global_branch_qkv(x, q, k, v)  # (N, H, D)
 
         # Local branch: every token.
         q, k = apply_rope(q, cos, sin, seqs.batch), apply_rope(k, cos, sin, seqs.batch)  # (N, H, D)
-        o_local = dispatch.sliding_window_attention(q, k, v, seqs.cu_seqlens, self.window, backend=a.backend)
+        o_local = dispatch.sliding_window_attention(q, k, v, seqs.cu_seqlens, self.window, backend=backend)
 
         # Global branch: the selected query rows (sel.rows[:n_sel]) over dense keys/values; zero elsewhere.
         qg, kg = apply_rope(qg, cos, sin, seqs.batch), apply_rope(kg, cos, sin, seqs.batch)
         o_global = dispatch.query_sparse_attention(qg, kg, vg, seqs.pos, sel.rows, sel.cu_seqlens_q,
-                                                   seqs.cu_seqlens, backend=a.backend)  # (N, H, D)
-        return self.fuse(o_local, o_global, p, z), p, z
+                                                   seqs.cu_seqlens, backend=backend)  # (N, H, D)
+        return o_local, o_global
 
     def fuse(self, o_local, o_global, p, z):
         """Both ContextNorms and the fusion in one elementwise expression (compile fuses it into one kernel):
