@@ -61,6 +61,9 @@ class AttentionConfig:
     # never. On one H100 at 1.5B/8k it saved 3.8 GiB for +2.5% step time compiled, 4.2 GiB for +13% eager
     # (docs/benchmarks.md); "compiled" (default) recomputes only inside torch.compile.
     recompute_branch_inputs: str = "compiled"
+    # Eager CUDA training: run the LoGo layer's glue (gate, routing, transforms, RoPE, norms, fusion) around the
+    # attention kernels as one torch.compile region shared by all layers (logo_attention.py `compile_glue`).
+    compile_glue: bool = True
     backend: str = "auto"  # attention ops: auto (triton on CUDA, reference on CPU) | reference | triton
 
     def validate(self, n_layers: Optional[int] = None, n_heads: Optional[int] = None) -> "AttentionConfig":

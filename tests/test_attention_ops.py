@@ -226,3 +226,41 @@ def test_compiled_logo_block_at_realistic_shape_on_gpu():
         assert (stats[0] - wstats[0]).abs() <= 8, (stats[0], wstats[0])
         for a, e in ((got, want), (grad, wgrad)):
             assert (a - e).norm() <= 2e-2 * e.norm()
+
+
+def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
+    """attention.compile_glue: the layers of a model share one compiled `branches` (no recompilation from one
+    layer to the next, nor for a new threshold), with eager's outputs and gradients. On CPU the test forces the
+    path on (it runs on CUDA training steps only) and compiles with aot_eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from logo.model import Transformer, logo_attention
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=2, vocab_size=64,
+                      attention=AttentionConfig(kind="logo", window=4, gate_init_std=0.5)).validate()
+    model = Transformer(cfg)
+    model.init_weights()
+    tokens = torch.randint(0, 64, (2, 17))
+    cu = torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32)
+
+    def loss_and_grads():
+        out = model(tokens[:, :-1], cu_seqlens=cu)
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        return loss.detach(), grads, out.routing
+
+    want = loss_and_grads()
+    torch._dynamo.reset()
+    monkeypatch.setattr(logo_attention.LoGoAttention, "compile_glue", lambda self, x: True)
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(logo_attention, "_COMPILED_BRANCHES",
+                        torch.compile(logo_attention.LoGoAttention.branches, fullgraph=True, backend=counter))
+    got = loss_and_grads()
+    for layer in model.logo_layers():
+        layer.threshold.fill_(0.45)
+    loss_and_grads()
+    assert counter.frame_count == 1  # one graph for 3 layers x 2 thresholds
+    assert torch.equal(got[2][:, :2], want[2][:, :2])  # same decisions
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -37,6 +37,11 @@ def _use_triton(q, backend: str) -> bool:
     return _TRITON and (q.is_cuda or backend == "triton")
 
 
+def overridden() -> bool:
+    """Whether an `override` block is active."""
+    return _override is not None
+
+
 @contextlib.contextmanager
 def override(impl):
     """Within the block, the public ops below call `impl.<same name>(...)` with the same arguments."""

@@ -124,7 +124,18 @@ class LoGoAttention(QKVAttention):
 
     def mix(self, x, cos, sin, seqs: PackedSeqs):
         """Both branches and the fusion: x (B, T, d) -> o (N, H, D) before W_o, p (N,), z (N,) bool."""
-        return self.branches(x, *self.project(x), cos, sin, seqs)
+        q, k, v = self.project(x)
+        if self.compile_glue(x):
+            return _compiled_branches()(self, x, q, k, v, cos, sin, seqs)
+        return self.branches(x, q, k, v, cos, sin, seqs)
+
+    def compile_glue(self, x: torch.Tensor) -> bool:
+        """attention.compile_glue: in an eager CUDA training step, run `branches` (gate, routing, transforms,
+        RoPE, both attention ops, ContextNorms, fusion) as one compiled region, so its elementwise glue is fused
+        as under train.compile. Not inside an outer compile, under no_grad (evaluation, decoding), with an
+        attention override (context parallelism) or with distributed tensors (tensor parallelism)."""
+        return (self.attn_cfg.compile_glue and x.is_cuda and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not dispatch.overridden() and type(x) is torch.Tensor)
 
     def branches(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
         """Everything between the shared projections and W_o: x (B, T, d), pre-RoPE q, k, v (B, T, H, D)
@@ -187,3 +198,15 @@ class LoGoAttention(QKVAttention):
 
     def global_head_fraction(self) -> float:
         return self.rho  # target; the realized ratio is reported by the controller
+
+
+_COMPILED_BRANCHES = None
+
+
+def _compiled_branches():
+    """LoGoAttention.branches compiled once for every layer (the layer is an argument: its parameters and
+    threshold are graph inputs, so the layers share one graph per input shape)."""
+    global _COMPILED_BRANCHES
+    if _COMPILED_BRANCHES is None:
+        _COMPILED_BRANCHES = torch.compile(LoGoAttention.branches, fullgraph=True)
+    return _COMPILED_BRANCHES

@@ -29,7 +29,7 @@ LOCK_FILE = ".lock"
 # Config keys (dotted prefixes) a resumed run may change: the budget and length of the run, how it is split,
 # compiled, logged, checkpointed, evaluated and launched. Everything else must equal the checkpoint's config.
 RESUME_MAY_CHANGE = ("train.steps", "train.micro_batch", "train.compile", "train.activation_checkpointing",
-                     "model.attention.recompute_branch_inputs",
+                     "model.attention.recompute_branch_inputs", "model.attention.compile_glue",
                      "train.gc_interval", "train.loss", "model.attention.backend", "stage.tokens",
                      "stage.tokens_per_param", "data.prefetch", "logging.", "checkpoint.", "parallel.", "eval.",
                      "launch.", "run.", "dry_run", "experiment")
