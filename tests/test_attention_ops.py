@@ -170,7 +170,8 @@ def test_new_selection_counts_do_not_recompile():
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_logo_layer_has_no_host_sync_on_gpu():
     """Forward and backward of the LoGo layer (gate, routing, both Triton ops, fusion) at a realistic shape
-    (8k tokens in three documents, 8 heads of 128, bf16) with CUDA's sync debug mode raising on any host sync."""
+    (8k tokens in three documents, 8 heads of 128, bf16) with CUDA's sync debug mode raising on any host sync
+    (after a warm-up step: compiling the glue synchronises, once)."""
     from logo.model.logo_attention import LoGoAttention
     torch.manual_seed(0)
     cfg = ModelConfig(dim=1024, n_layers=1, n_heads=8, attention=AttentionConfig(kind="logo", window=128)).validate()
@@ -182,6 +183,9 @@ def test_logo_layer_has_no_host_sync_on_gpu():
     x = torch.randn(B, T, 1024, device="cuda", requires_grad=True)
     with torch.no_grad():
         layer.threshold.copy_(layer.gate_probs(x).median().reshape(1))
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # warm-up: compiles the glue (attention.compile_glue)
+        layer(x, cos, sin, seqs)[0].float().square().mean().backward()
+    x.grad = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -230,7 +234,8 @@ def test_compiled_logo_block_at_realistic_shape_on_gpu():
 
 def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
     """attention.compile_glue: the layers of a model share one compiled `branches` (no recompilation from one
-    layer to the next, nor for a new threshold), with eager's outputs and gradients. On CPU the test forces the
+    layer to the next, for a new threshold or for a batch with more documents), with eager's outputs and
+    gradients. On CPU the test forces the
     path on (it runs on CUDA training steps only) and compiles with aot_eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -259,7 +264,9 @@ def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
     for layer in model.logo_layers():
         layer.threshold.fill_(0.45)
     loss_and_grads()
-    assert counter.frame_count == 1  # one graph for 3 layers x 2 thresholds
+    cu = torch.tensor([0, 3, 9, 16, 20, 27, 32], dtype=torch.int32)  # another batch: two more documents
+    loss_and_grads()
+    assert counter.frame_count == 1  # one graph for 3 layers x 2 thresholds x 2 document counts
     assert torch.equal(got[2][:, :2], want[2][:, :2])  # same decisions
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     for a, b in zip(got[1], want[1]):

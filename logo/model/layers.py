@@ -121,6 +121,8 @@ class PackedSeqs:
                 raise ValueError(f"cu_seqlens must be increasing offsets over the flattened {batch}x{seqlen} "
                                  f"batch that include every row boundary (multiples of {seqlen}); "
                                  f"got {cu.tolist()[:16]}")
+        if has_docs:  # the document count changes from batch to batch: compiled graphs take it as a symbol
+            torch._dynamo.maybe_mark_dynamic(cu, 0)  # instead of recompiling on the second batch
         idx = torch.arange(n, device=device)
         seq_id = torch.searchsorted(cu[1:].long(), idx, right=True)
         pos = (idx - cu.long()[seq_id]).to(torch.int32)
