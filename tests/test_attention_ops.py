@@ -246,7 +246,7 @@ def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
     model = Transformer(cfg)
     model.init_weights()
     tokens = torch.randint(0, 64, (2, 17))
-    cu = torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32)
+    cu = None  # first batch: every row one document (cu_seqlens = the row boundaries)
 
     def loss_and_grads():
         out = model(tokens[:, :-1], cu_seqlens=cu)
@@ -261,12 +261,14 @@ def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
     monkeypatch.setattr(logo_attention, "_COMPILED_BRANCHES",
                         torch.compile(logo_attention.LoGoAttention.branches, fullgraph=True, backend=counter))
     got = loss_and_grads()
+    cu = torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32)  # documents
+    loss_and_grads()
     for layer in model.logo_layers():
         layer.threshold.fill_(0.45)
     loss_and_grads()
     cu = torch.tensor([0, 3, 9, 16, 20, 27, 32], dtype=torch.int32)  # another batch: two more documents
     loss_and_grads()
-    assert counter.frame_count == 1  # one graph for 3 layers x 2 thresholds x 2 document counts
+    assert counter.frame_count == 1  # one graph for 3 layers x 2 thresholds x 3 document counts
     assert torch.equal(got[2][:, :2], want[2][:, :2])  # same decisions
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     for a, b in zip(got[1], want[1]):

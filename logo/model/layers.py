@@ -121,8 +121,9 @@ class PackedSeqs:
                 raise ValueError(f"cu_seqlens must be increasing offsets over the flattened {batch}x{seqlen} "
                                  f"batch that include every row boundary (multiples of {seqlen}); "
                                  f"got {cu.tolist()[:16]}")
-        if has_docs:  # the document count changes from batch to batch: compiled graphs take it as a symbol
-            torch._dynamo.maybe_mark_dynamic(cu, 0)  # instead of recompiling on the second batch
+        # The document count changes from batch to batch (a batch of whole-row documents has B): compiled graphs
+        # take it as a symbol instead of recompiling on the second batch.
+        torch._dynamo.maybe_mark_dynamic(cu, 0)
         idx = torch.arange(n, device=device)
         seq_id = torch.searchsorted(cu[1:].long(), idx, right=True)
         pos = (idx - cu.long()[seq_id]).to(torch.int32)
