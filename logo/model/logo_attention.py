@@ -135,7 +135,8 @@ class LoGoAttention(QKVAttention):
         as under train.compile. Not inside an outer compile, under no_grad (evaluation, decoding), with an
         attention override (context parallelism) or with distributed tensors (tensor parallelism)."""
         return (self.attn_cfg.compile_glue and x.is_cuda and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and not dispatch.overridden() and type(x) is torch.Tensor)
+                and not torch.compiler.is_compiling() and not dispatch.overridden() and type(x) is torch.Tensor
+                and type(self.gate.weight.data) is torch.Tensor)  # a DTensor weight: tensor parallelism
 
     def branches(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
         """Everything between the shared projections and W_o: x (B, T, d), pre-RoPE q, k, v (B, T, H, D)
