@@ -141,9 +141,12 @@ def test_compiled_block_keeps_fewer_activations_with_recompute():
     (kept, out, grads), (kept_r, out_r, grads_r) = results["never"], results["compiled"]
     one_nhd = B * T * cfg.dim * 4  # one (N, H, D) fp32 tensor
     assert kept - kept_r >= 2 * one_nhd, (kept, kept_r)
-    torch.testing.assert_close(out_r, out, atol=1e-6, rtol=1e-6)
+    # aot_eager (CPU) repeats eager's kernels; inductor (GPU) fuses the two graphs differently (on an H100: 2 of
+    # 64 gradient elements 1.5e-5 apart, 2.3e-6 relative)
+    tol = 2e-4 if CUDA else 1e-6
+    torch.testing.assert_close(out_r, out, atol=tol, rtol=tol)
     for a, b in zip(grads_r, grads):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
 def test_new_selection_counts_do_not_recompile():
