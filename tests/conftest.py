@@ -120,6 +120,20 @@ def logged(run_dir, step) -> bool:
     return m.exists() and any(r.get("step", 0) >= step for r in read_metrics(run_dir) if "loss" in r)
 
 
+@contextlib.contextmanager
+def kept_for_backward():
+    """Within the block, records the distinct storages autograd keeps for the backward: yields a dict
+    {storage pointer: bytes}; sum its values for the bytes kept."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield storages
+
+
 def free_port() -> int:
     """A free TCP port on localhost (for a process group's MASTER_PORT)."""
     with socket.socket() as s:

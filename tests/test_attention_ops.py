@@ -14,6 +14,8 @@ from logo.model.layers import PackedSeqs, rope_cos_sin
 from logo.model.routing import partition
 from logo.model.transformer import TransformerBlock
 
+from conftest import kept_for_backward
+
 CUDA = torch.cuda.is_available()
 
 
@@ -127,15 +129,9 @@ def test_compiled_block_keeps_fewer_activations_with_recompute():
         seqs = PackedSeqs.build(B, T, device)
         cos, sin = rope_cos_sin(T, cfg.head_dim, 10000.0, device)
         x0 = torch.randn(B, T, cfg.dim, device=device, generator=torch.Generator(device).manual_seed(2))
-        storages = {}
-
-        def pack(t):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         torch._dynamo.reset()
         compiled = torch.compile(block, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with kept_for_backward() as storages:
             out, _, grads = run_block(compiled, x0, cos, sin, seqs)
         results[mode] = (sum(storages.values()), out, grads)
     (kept, out, grads), (kept_r, out_r, grads_r) = results["never"], results["compiled"]
@@ -238,8 +234,8 @@ def test_compiled_logo_block_at_realistic_shape_on_gpu():
 def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
     """attention.compile_glue: the layers of a model share one compiled `branches` (no recompilation from one
     layer to the next, for a new threshold or for a batch with more documents), with eager's outputs and
-    gradients. On CPU the test forces the
-    path on (it runs on CUDA training steps only) and compiles with aot_eager."""
+    gradients. On CPU the test forces the path on (it runs on CUDA training steps only) and compiles with
+    aot_eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from logo.model import Transformer, logo_attention

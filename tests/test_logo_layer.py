@@ -8,6 +8,8 @@ from logo.config import AttentionConfig, ModelConfig
 from logo.model.layers import PackedSeqs, rope_cos_sin
 from logo.model.logo_attention import LoGoAttention
 
+from conftest import kept_for_backward
+
 
 def make_layer(seed=0, dim=48, heads=3, window=5, randomize=True, **attn):
     torch.manual_seed(seed)
@@ -221,14 +223,8 @@ def test_gate_logit_is_fp32_under_autocast():
 
 def _saved_bytes_and_grads(layer, x, seqs, cos, sin):
     """Forward + backward of the layer: (bytes of the distinct storages autograd kept, output, gradients)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     xx = x.clone().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as storages:
         out, _, _ = layer(xx, cos, sin, seqs)
     (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
     grads = [xx.grad] + [p.grad.clone() for _, p in sorted(layer.named_parameters())]
@@ -239,9 +235,9 @@ def _saved_bytes_and_grads(layer, x, seqs, cos, sin):
 @pytest.mark.parametrize("variant", [dict(), dict(transform="so"), dict(transform="shared"), dict(transform="full")],
                          ids=["lp", "so", "shared", "full"])
 def test_recomputing_branch_inputs_changes_nothing_but_the_kept_activations(variant):
-    """attention.recompute_branch_inputs=always (vs never): the backward recomputes the rotated local q, k and the global q, k, v
-    instead of keeping them: the same outputs and gradients to the last bit (float64, the recomputation repeats
-    the forward's arithmetic), and fewer (N, H, D) tensors kept: at least four fewer with a transform (the
+    """attention.recompute_branch_inputs=always (vs never): the backward recomputes the rotated local q, k and
+    the global q, k, v instead of keeping them: the same outputs and gradients to the last bit (float64, the
+    recomputation repeats the forward's arithmetic), and fewer (N, H, D) tensors kept: at least four fewer with a transform (the
     pre-RoPE q, k are kept instead of five rotated or transformed tensors), two with the shared one (four rotated
     tensors become q and k)."""
     x, seqs, cos, sin = inputs(2, 20, 48, docs=[0, 7, 20, 33, 40])
