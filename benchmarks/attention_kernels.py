@@ -270,10 +270,12 @@ def _sdpa_cudnn(q, k, v):
 def _sweep_configs(kind):
     """(label, CONFIG_OVERRIDE entry, timed part) triples for one kernel kind."""
     if kind == "global":
-        fwd = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)]
-        dq = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]
+        fwd = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3),
+               (64, 64, 4, 4), (128, 64, 4, 3)]
+        dq = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+              (64, 128, 8, 3)]
         dkdv = [(64, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 8, 3),
-                (64, 64, 8, 3), (32, 128, 4, 4)]
+                (64, 64, 8, 3), (32, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (32, 64, 4, 3)]
         atomic = [(64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]
     else:
         fwd = [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)]
@@ -328,6 +330,7 @@ def main():
     ap.add_argument("--lens", default="4096,8192,16384,32768,65536")
     ap.add_argument("--rhos", default="0.25,0.5,0.75,1.0")
     ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=H, help="heads (H=16 is the 1.5B model's layer)")
     ap.add_argument("--only", default="ceilings,baselines,flex,ours,routing,layer",
                     help="comma list of: ceilings, baselines, flex, ours, routing, layer")
     ap.add_argument("--sweep", type=int, default=0, help="sequence length for a block-size sweep (0: none)")
@@ -337,6 +340,8 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="sequence length for a torch.profiler breakdown (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    global H
+    H = a.heads
     only = set(a.only.split(","))
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     torch._dynamo.config.cache_size_limit = 64
@@ -359,7 +364,7 @@ def main():
         for T in [int(x) for x in a.layer_lens.split(",") if x]:
             logo_layer(T, a.window, out, a.profile_layer)
     meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%d %H:%M"),
-                argv=sys.argv[1:])
+                argv=sys.argv[1:], heads=H)
     (out / "attention_kernels.json").write_text(json.dumps(dict(meta=meta, rows=ROWS), indent=1))
     print(f"wrote {out / 'attention_kernels.json'}")
 

@@ -65,7 +65,7 @@ def overrides(shape: str, kind: str, compile_: bool, ac: bool, loss: str, extra_
 
 
 def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: int, steps: int,
-            extra_overrides=()) -> dict:
+            extra_overrides=(), profile_steps: int = 0) -> dict:
     """One (shape, kind) run in this process -> its figures (raises on failure)."""
     import torch
 
@@ -105,17 +105,22 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    def step(i: int):
+        out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=1.0, world=1,
+                         sharded=False, loss_impl=loss_impl)
+        optimizer_step(opt, sched, ctrl, out, monitor, i + 1)
+        return out
+
     times = []
     for i in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
-        out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=1.0, world=1,
-                         sharded=False, loss_impl=loss_impl)
-        optimizer_step(opt, sched, ctrl, out, monitor, i + 1)
+        out = step(i)
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    kernels = profile_kernels(lambda i: step(warmup + steps + i), profile_steps) if profile_steps else None
     tokens_per_s = B * T / step_s
     ratios = realized_ratios(ctrl.metrics())
     peak = peak_bf16_flops(torch.cuda.get_device_name()) if cuda else None
@@ -126,8 +131,35 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "loss": float(out.loss), "realized_ratio": (sum(ratios.values()) / len(ratios)) if ratios else None,
         "params_total": total, "params_non_embedding": non_emb, "seq_len": T, "sequences": B,
-        "loss_impl": loss_impl,
+        "loss_impl": loss_impl, **({"profile": kernels} if kernels else {}),
     }
+
+
+def profile_kernels(step, n: int, top: int = 40) -> dict:
+    """n more steps under torch.profiler -> GPU kernel time per step (busy), the host-measured step time under
+    the profiler, and the `top` kernels by time per step (name, ms, calls per step). Empty on CPU."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    torch.cuda.synchronize() if cuda else None
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for i in range(n):
+            step(i)
+        torch.cuda.synchronize() if cuda else None
+        wall = (time.perf_counter() - t0) / n
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        rows.append((e.key, us / 1e3 / n, e.count / n))
+    rows.sort(key=lambda r: -r[1])
+    return {"steps": n, "wall_ms_per_step": 1e3 * wall, "gpu_busy_ms_per_step": sum(r[1] for r in rows),
+            "top_kernels": [{"name": k[:160], "ms": round(ms, 3), "calls": c} for k, ms, c in rows[:top]]}
 
 
 def worker(args) -> None:
@@ -135,7 +167,7 @@ def worker(args) -> None:
     import torch
     try:
         res = measure(args.shape, args.kind, args.compile == "on", args.ac == "on", args.loss, args.warmup,
-                      args.steps, args.set)
+                      args.steps, args.set, args.profile)
     except torch.OutOfMemoryError as e:
         res = {"status": "oom", "error": str(e).splitlines()[0]}
     except Exception as e:  # noqa: BLE001 - reported in the table, the other runs go on
@@ -150,7 +182,8 @@ def run_one(shape: str, kind: str, compile_: str, ac: str, args) -> dict:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--shape", shape, "--kind", kind,
                "--compile", compile_, "--ac", ac, "--loss", args.loss, "--warmup", str(args.warmup),
-               "--steps", str(args.steps), "--result", str(result), *(f"--set={o}" for o in args.set)]
+               "--steps", str(args.steps), "--profile", str(args.profile), "--result", str(result),
+               *(f"--set={o}" for o in args.set)]
         try:
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -201,6 +234,8 @@ def parse_args(argv=None):
     ap.add_argument("--loss", default="auto", choices=["auto", "liger", "chunked", "plain"], help="train.loss")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="measured steps (the median is reported)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="N more steps under torch.profiler: GPU busy time and the top kernels per step in the JSON")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (shape, kind) run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a train.py override for every run (repeatable), e.g. attention.recompute_branch_inputs=never")

@@ -1,6 +1,7 @@
 """Budget fidelity (issue 13): each controller on synthetic gate streams and on a model whose gate is flat,
 the quantile estimate, windowed ratios, the off-budget warning, and the controller's checkpoint state."""
 import logging
+import math
 
 import pytest
 import torch
@@ -114,6 +115,27 @@ def test_histogram_quantile_matches_exact_quantile():
     assert float(histogram_quantile(hist, torch.tensor([1.0]))[0]) >= float(p.max())  # nothing above
     assert float(histogram_quantile(hist, torch.tensor([0.0]))[0]) < float(p.min())  # everything above
 
+
+
+def test_gate_histogram_counts_each_valid_token_in_its_bin():
+    """histc over bin centres gives exactly the bin of the u-space formula for every valid token (saturated and
+    NaN gates included), and counts no padding."""
+    from logo.model.controller import LOGIT_MAX, LOGIT_SCALE, U_MAX
+    g = torch.Generator().manual_seed(3)
+    p = torch.cat([torch.sigmoid(0.02 * torch.randn(4000, generator=g)), torch.rand(3000, generator=g),
+                   torch.tensor([0.0, 1.0, float("nan"), 0.5])])
+    valid = torch.rand(p.shape[0], generator=g) > 0.2
+    bins = 1025
+    u = torch.nan_to_num(torch.asinh(torch.logit(p.double()).clamp(-LOGIT_MAX, LOGIT_MAX) / LOGIT_SCALE), nan=0.0)
+    expect = torch.zeros(bins, dtype=torch.float64)
+    for t in range(p.shape[0]):
+        if valid[t]:
+            expect[min(max(int(math.floor((float(u[t]) + U_MAX) * bins / (2 * U_MAX))), 0), bins - 1)] += 1
+    hist = gate_histogram(p, valid, bins)
+    assert hist.dtype == torch.float32 and hist.shape == (bins,)
+    assert float(hist.sum()) == int(valid.sum())
+    assert (hist.double() - expect).abs().sum() <= 2  # fp32 vs fp64 rounding may move a token to a neighbour bin
+    assert torch.equal(hist, gate_histogram(p, valid.float(), bins))
 
 def test_quantile_state_is_restored_exactly_and_skipped_steps_change_nothing():
     def make():

@@ -43,12 +43,15 @@ LOGIT_SCALE, LOGIT_MAX = 1e-4, 30.0
 U_MAX = math.asinh(LOGIT_MAX / LOGIT_SCALE)
 
 
-def gate_histogram(p: torch.Tensor, weight: torch.Tensor, bins: int) -> torch.Tensor:
-    """(bins,) fp32 counts of the gate logits of p (N,) weighted by weight (N,) (1 for valid tokens)."""
+def gate_histogram(p: torch.Tensor, valid: torch.Tensor, bins: int) -> torch.Tensor:
+    """(bins,) fp32 counts of the gate logits of p (N,) over the tokens where valid (N,) (bool or 0/1) is set.
+    Counted by `torch.histc` over the bin centres (one shared-memory histogram per block on CUDA): a
+    scatter-add into the bins serialised on the few bins a fresh gate occupies (2.2 ms per 1.5B/8k step)."""
     u = torch.asinh(torch.logit(p.float()).clamp(-LOGIT_MAX, LOGIT_MAX) / LOGIT_SCALE)
     u = torch.nan_to_num(u, nan=0.0)  # a diverged step (skipped anyway) must not index out of range
-    idx = ((u + U_MAX) * (bins / (2 * U_MAX))).floor().clamp(0, bins - 1).long()
-    return torch.zeros(bins, dtype=torch.float32, device=p.device).index_add_(0, idx, weight.float())
+    idx = ((u + U_MAX) * (bins / (2 * U_MAX))).floor().clamp(0, bins - 1)  # (N,) bin index, as a float
+    centre = torch.where(valid.bool(), idx + 0.5, -1.0)  # invalid tokens fall outside [0, bins]: not counted
+    return torch.histc(centre, bins=bins, min=0, max=bins)
 
 
 def histogram_quantile(hist: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
