@@ -97,14 +97,14 @@ def selection(T, rho, seed=0):
     return torch.randperm(T, device="cuda", generator=g)[:n].sort().values
 
 
-def static_selection(T, rho, seed=0):
+def static_selection(T, rho, seed=0, docs=1):
     """The model's static-shape form of `selection`: rows (T,) int32 (selected first), every row's position
-    (T,) int32 and cu_seqlens_q (2,) int32 for one sequence."""
+    (T,) int32 and cu_seqlens_q (docs+1,) int32 for `docs` equal sequences (rows of T // docs tokens)."""
     from logo.model.layers import PackedSeqs
     from logo.model.routing import partition
     z = torch.zeros(T, dtype=torch.bool, device="cuda")
     z[selection(T, rho, seed)] = True
-    seqs = PackedSeqs.build(1, T, "cuda")
+    seqs = PackedSeqs.build(docs, T // docs, "cuda")
     sel = partition(z, seqs)
     return sel.rows, seqs.pos, sel.cu_seqlens_q
 
@@ -289,12 +289,12 @@ def _sweep_configs(kind):
     return out
 
 
-def sweep(T, window, sweep_filter=()):
+def sweep(T, window, sweep_filter=(), docs=1):
     """Each kernel's block sizes / warps / stages, one at a time, at rho=0.5 (global) and for the window;
-    the backward rows time the whole backward (delta + dQ + dK/dV)."""
+    the backward rows time the whole backward (delta + dQ + dK/dV). docs: equal sequences in the T tokens."""
     q, k, v = packed_qkv(T)
-    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-    rows, pos, cu_q = static_selection(T, 0.5)
+    cu = torch.arange(0, T + 1, T // docs, dtype=torch.int32, device="cuda")
+    rows, pos, cu_q = static_selection(T, 0.5, docs=docs)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     scale = 1 / math.sqrt(D)
     for kind, (qp, rw, cq, w) in {"global": (pos, rows, cu_q, 0), "window": (None, None, cu, window)}.items():
@@ -331,6 +331,8 @@ def main():
     ap.add_argument("--rhos", default="0.25,0.5,0.75,1.0")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--heads", type=int, default=H, help="heads (H=16 is the 1.5B model's layer)")
+    ap.add_argument("--head-dim", type=int, default=D, help="head dim (64: model_step's small shape)")
+    ap.add_argument("--docs", type=int, default=1, help="--sweep: equal sequences in the T tokens")
     ap.add_argument("--only", default="ceilings,baselines,flex,ours,routing,layer",
                     help="comma list of: ceilings, baselines, flex, ours, routing, layer")
     ap.add_argument("--sweep", type=int, default=0, help="sequence length for a block-size sweep (0: none)")
@@ -340,8 +342,7 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="sequence length for a torch.profiler breakdown (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    global H
-    H = a.heads
+    globals().update(H=a.heads, D=a.head_dim)
     only = set(a.only.split(","))
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     torch._dynamo.config.cache_size_limit = 64
@@ -352,7 +353,7 @@ def main():
     if a.profile:
         profile(a.profile, a.window, out)
     if a.sweep:
-        sweep(a.sweep, a.window, [f for f in a.sweep_filter.split(",") if f])
+        sweep(a.sweep, a.window, [f for f in a.sweep_filter.split(",") if f], a.docs)
     for T in [int(x) for x in a.lens.split(",") if x]:
         if "baselines" in only:
             baselines(T, only)
@@ -364,7 +365,7 @@ def main():
         for T in [int(x) for x in a.layer_lens.split(",") if x]:
             logo_layer(T, a.window, out, a.profile_layer)
     meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%d %H:%M"),
-                argv=sys.argv[1:], heads=H)
+                argv=sys.argv[1:], heads=H, head_dim=D)
     (out / "attention_kernels.json").write_text(json.dumps(dict(meta=meta, rows=ROWS), indent=1))
     print(f"wrote {out / 'attention_kernels.json'}")
 

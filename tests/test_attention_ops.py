@@ -61,6 +61,32 @@ def test_opcheck_triton_interpreted():
                           (q, k, v, pos, rows, cu_q, cu, 0.25, 0, True))
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("window", [0, 4])
+def test_head_major_inputs_equal_contiguous(use_triton, window):
+    """q, k, v, dO laid out head-major ((H, N, D) memory viewed as (N, H, D), as a per-head batched matmul
+    leaves the global branch's q, k, v): the ops read them in place (no copy) and give the same outputs and
+    gradients as contiguous inputs, in contiguous tensors (the fake outputs' layout); opcheck passes."""
+    dev = "cuda" if (CUDA and use_triton) else "cpu"
+    q, k, v, pos, rows, cu_q, cu = (t.detach().to(dev) for t in problem(torch.float32, "random", seed=4))
+    head_major = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v)]  # strides (D, N*D, 1)
+    args = (pos, rows, cu_q, cu, 0.25, window, use_triton)
+    o, lse = torch.ops.logo.range_attention_fwd(q, k, v, *args)
+    o2, lse2 = torch.ops.logo.range_attention_fwd(*head_major, *args)
+    assert o2.is_contiguous() and not head_major[0].is_contiguous()
+    torch.testing.assert_close(o2, o, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse2, lse, atol=1e-6, rtol=1e-5)
+    do = torch.randn_like(o)
+    want = torch.ops.logo.range_attention_bwd(do, q, k, v, o, lse, *args)
+    do_hm = do.transpose(0, 1).contiguous().transpose(0, 1)
+    got = torch.ops.logo.range_attention_bwd(do_hm, *head_major, o2, lse2, *args)
+    for a, b in zip(got, want):
+        assert a.is_contiguous()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.library.opcheck(torch.ops.logo.range_attention_fwd.default, (*head_major, *args))
+    torch.library.opcheck(torch.ops.logo.range_attention_bwd.default, (do_hm, *head_major, o2, lse2, *args))
+
+
 def test_op_gradients_match_plain_reference():
     """The custom op's registered autograd equals the plain-autograd reference (float64)."""
     q, k, v, pos, rows, cu_q, cu = problem(torch.float64, "random", seed=5)

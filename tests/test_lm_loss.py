@@ -64,6 +64,27 @@ def test_chunked_equals_plain_bf16_autocast():
     assert rel_err(got[1], ref[1]) < 2e-2 and rel_err(got[2], ref[2]) < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_plain_loss_equals_eager(dtype):
+    """The plain loss compiled (what the CUDA trainer runs on the logits) equals the eager one in value and in
+    the logits' gradient (bf16 logits: within their rounding), ignored targets included."""
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(2, 37, 300, generator=g)).to(dtype).requires_grad_()
+    y = torch.randint(0, 300, (2, 37), generator=g)
+    y[:, ::4] = IGNORE_INDEX
+    out = []
+    for fn in (lm_loss_sum, lm_head.fused_lm_loss_sum):
+        logits.grad = None
+        loss = fn(logits, y)
+        (0.37 * loss).backward()
+        out.append((loss.detach(), logits.grad.clone()))
+    assert out[1][0].dtype == torch.float32 and out[1][1].dtype == dtype
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[1][1].float(), out[0][1].float(), rtol=tol, atol=tol)
+    assert float(out[1][1][:, ::4].abs().max()) == 0.0  # no gradient at ignored targets
+
+
 def test_all_targets_ignored_and_no_grad():
     h, w, y = operands(n=9)
     y[:] = IGNORE_INDEX

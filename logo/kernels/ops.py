@@ -10,8 +10,10 @@ rows None: every row a query (sliding window with window > 0, causal with window
 the static-shape contract of `logo.kernels.reference` (o (N, H, D), zero at unselected rows; the selected count
 cu_q[-1] stays on the device). use_triton picks the Triton kernels (CUDA, or the CPU interpreter) or the
 pure-PyTorch reference inside the op, so the op (and `opcheck`) also runs on CPU. Output shapes depend only on
-input shapes (`register_fake`); the backward is the second op (`register_autograd`). Inputs are made
-contiguous inside the ops.
+input shapes (`register_fake`); the backward is the second op (`register_autograd`). q, k, v, o and dO may
+have any row and head strides as long as the head dim is contiguous (the kernels take the strides: the global
+branch's transformed q, k, v come out of a per-head batched matmul as (H, N, D) memory viewed as (N, H, D),
+and copying them cost two strided copies per layer); the small index tensors and lse are made contiguous.
 """
 from __future__ import annotations
 
@@ -35,12 +37,17 @@ def _c(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()
 
 
+def _rows(t: Tensor) -> Tensor:
+    """t (N, H, D) with a contiguous last dim (any row and head strides): a copy only where D is strided."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @torch.library.custom_op("logo::range_attention_fwd", mutates_args=())
 def range_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor], rows: Optional[Tensor],
                         cu_q: Tensor, cu_k: Tensor, scale: float, window: int,
                         use_triton: bool) -> tuple[Tensor, Tensor]:
     """o (N, H, D) and the base-2 log-sum-exp per query slot (H, N) (private to the backward)."""
-    return _impl(use_triton).attn_forward(q.contiguous(), k.contiguous(), v.contiguous(), _c(q_pos), _c(rows),
+    return _impl(use_triton).attn_forward(_rows(q), _rows(k), _rows(v), _c(q_pos), _c(rows),
                                           cu_q.contiguous(), cu_k.contiguous(), scale, window)
 
 
@@ -56,8 +63,8 @@ def range_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, 
                         q_pos: Optional[Tensor], rows: Optional[Tensor], cu_q: Tensor, cu_k: Tensor, scale: float,
                         window: int, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
     """dq (zero at unselected rows), dk, dv."""
-    return _impl(use_triton).attn_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                                           o.contiguous(), lse.contiguous(), _c(q_pos), _c(rows), cu_q.contiguous(),
+    return _impl(use_triton).attn_backward(_rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse.contiguous(),
+                                           _c(q_pos), _c(rows), cu_q.contiguous(),
                                            cu_k.contiguous(), scale, window)
 
 

@@ -161,7 +161,7 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int):
     """o (N, H, D) in q's dtype (zero at unselected rows) and lse2 (H, N), the base-2 log-sum-exp of the
     scaled scores per slot (zero past n_sel). window 0: causal; rows None: every row a query."""
     idx, lo, hi = _slots(q, q_pos, rows, cu_q, cu_k, window or None)
-    o = torch.zeros_like(q)
+    o = q.new_zeros(q.shape)  # contiguous whatever q's strides (the op's fake output)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=_cdt(q), device=q.device)
     if idx.numel():
         out_c, lse_c = _range_forward(q[idx], k, v, lo, hi, scale)
@@ -173,12 +173,12 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int):
 def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, window: int):
     """dq (zero at unselected rows), dk, dv of `attn_forward`."""
     idx, lo, hi = _slots(q, q_pos, rows, cu_q, cu_k, window or None)
-    dq = torch.zeros_like(q)
+    dq = q.new_zeros(q.shape)  # outputs contiguous whatever the inputs' strides (the op's fake outputs)
     if not idx.numel():
-        return dq, torch.zeros_like(k), torch.zeros_like(v)
+        return dq, k.new_zeros(k.shape), v.new_zeros(v.shape)
     dqc, dk, dv = _range_backward(do[idx], q[idx], k, v, o[idx], lse[:, :idx.shape[0]] * _LN2, lo, hi, scale)
     dq[idx] = dqc
-    return dq, dk, dv
+    return dq, dk.contiguous(), dv.contiguous()
 
 
 class _StaticAttention(torch.autograd.Function):

@@ -60,6 +60,20 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
+_COMPILED_LOSS = None
+
+
+def fused_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`lm_loss_sum` under torch.compile, for the plain loss on CUDA: the fp32 upcast, log-softmax and gather
+    become a few fused passes over the 16-bit logits, and the backward writes the logits' gradient in one
+    pass from them and the saved log-sum-exp. Eager, the same loss makes an fp32 copy of the logits, an fp32
+    log-softmax that it keeps for the backward, and an fp32 gradient (1.5B at 8k tokens: 3.3 GB each)."""
+    global _COMPILED_LOSS
+    if _COMPILED_LOSS is None:
+        _COMPILED_LOSS = torch.compile(lm_loss_sum, fullgraph=True)
+    return _COMPILED_LOSS(logits, labels)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed CE of h @ w^T; gradients taken chunk by chunk in the forward, scaled in the backward.
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from data.loader import Batch, StepData
-from logo.model.lm_head import lm_loss_sum
+from logo.model.lm_head import fused_lm_loss_sum, lm_loss_sum
 
 
 class TrainingDiverged(RuntimeError):
@@ -55,7 +55,8 @@ def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast, loss_impl: str
     with autocast:
         if loss_impl == "plain":  # logits out of the model (what a vocab-split tensor-parallel head gives too)
             out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid, positions=positions)
-            return lm_loss_sum(out.logits, mb.labels), out
+            loss = fused_lm_loss_sum if out.logits.is_cuda else lm_loss_sum  # the same loss; compiled on CUDA
+            return loss(out.logits, mb.labels), out
         out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid, labels=mb.labels, loss_impl=loss_impl,
                     positions=positions)
     return out.loss_sum, out

@@ -20,6 +20,10 @@ are never touched (paper App. B). The dK/dV kernel runs one program per (KV bloc
 slots that can see the block: masked head blocks, then unmasked blocks, then the masked tail. For sparse
 queries the first slot at/after the block's first and last key come from one `torch.searchsorted` over the
 slots' key indices (dead slots sort last; on the GPU, no host sync); for dense queries they are arithmetic.
+The grids are 1-D and ordered by work over every head at once (the query blocks that see the most keys, the
+key blocks that the most queries see, first; head = program % H): with one head after another, the last
+head's longest blocks ran alone at the end of the kernel (at 8k tokens and 16 heads a block can be half of
+an SM's share of the work).
 
 dQ has two strategies (`dq_mode`): "separate" recomputes P and dP in a dQ kernel that mirrors the forward
 (7 matmuls per tile pair in the backward, deterministic); "atomic" adds dS K into an fp32 buffer from the
@@ -104,8 +108,8 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int):
     if n == 0:
         return o, lse
     nseq, steps = _steps(cu_q)
-    _fwd_kernel[(triton.cdiv(n, BM), H)](
-        q, k, v, o, lse, cu_q if dense_q else rows, cu_q if dense_q else q_pos, cu_q, cu_k, n, nseq, steps, window,
+    _fwd_kernel[(triton.cdiv(n, BM) * H,)](
+        q, k, v, o, lse, cu_q if dense_q else rows, cu_q if dense_q else q_pos, cu_q, cu_k, n, nseq, steps, window, H,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         scale * _LOG2E, WINDOWED=window > 0, DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=_prec(q.dtype),
         num_warps=warps, num_stages=stages)
@@ -147,8 +151,8 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     else:
         dq = _empty(*q.shape, like=q)
         BM, BN, warps, stages = c["dq"]
-        _dq_kernel[(triton.cdiv(n, BM), H)](
-            q, k, v, do, dq, lse, delta, rows_, qpos_, cu_q, cu_k, n, nseq, steps, window,
+        _dq_kernel[(triton.cdiv(n, BM) * H,)](
+            q, k, v, do, dq, lse, delta, rows_, qpos_, cu_q, cu_k, n, nseq, steps, window, H,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
             dq.stride(0), dq.stride(1), scale * _LOG2E, scale,
             WINDOWED=window > 0, DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=prec, num_warps=warps, num_stages=stages)
@@ -157,8 +161,8 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     BM, BN, warps, stages = c["dkdv"]
     nbk = triton.cdiv(nk, BN)
     kidx, split = (cu_k, cu_k) if dense_q else key_rows_and_split(q_pos, rows, cu_q, cu_k, nk, BN)
-    _dkdv_kernel[(nbk, H)](
-        q, k, v, do, dk, dv, dq, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk, nseq, steps, window,
+    _dkdv_kernel[(nbk * H,)](
+        q, k, v, do, dk, dv, dq, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk, nseq, steps, window, H,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), scale * _LOG2E, scale,
         WINDOWED=window > 0, DENSE_Q=dense_q, ATOMIC_DQ=atomic, BM=BM, BN=BN, D=D, PREC=prec,
