@@ -137,7 +137,8 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
 
 def profile_kernels(step, n: int, top: int = 40) -> dict:
     """n more steps under torch.profiler -> GPU kernel time per step (busy), the host-measured step time under
-    the profiler, and the `top` kernels by time per step (name, ms, calls per step). Empty on CPU."""
+    the profiler, the `top` kernels by time per step (name, ms, calls per step; none on CPU) and the `top` host
+    ops by self time (where a launch-bound step spends its host time)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -158,8 +159,11 @@ def profile_kernels(step, n: int, top: int = 40) -> dict:
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         rows.append((e.key, us / 1e3 / n, e.count / n))
     rows.sort(key=lambda r: -r[1])
+    host = sorted(((e.key, e.self_cpu_time_total / 1e3 / n, e.count / n) for e in prof.key_averages()
+                   if e.device_type == DeviceType.CPU), key=lambda r: -r[1])
     return {"steps": n, "wall_ms_per_step": 1e3 * wall, "gpu_busy_ms_per_step": sum(r[1] for r in rows),
-            "top_kernels": [{"name": k[:160], "ms": round(ms, 3), "calls": c} for k, ms, c in rows[:top]]}
+            "top_kernels": [{"name": k[:160], "ms": round(ms, 3), "calls": c} for k, ms, c in rows[:top]],
+            "top_host_ops": [{"name": k[:160], "self_ms": round(ms, 3), "calls": c} for k, ms, c in host[:top]]}
 
 
 def worker(args) -> None:

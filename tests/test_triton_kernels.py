@@ -137,6 +137,24 @@ def test_query_sparse_matches_reference(layout, mode, dtype):
         assert grads[1].abs().max() == 0 and grads[2].abs().max() == 0
 
 
+@pytest.mark.parametrize("heads_in_l2,want_group", [(0, 1), (2.5, 2), (100, 5)])
+@pytest.mark.parametrize("case", ["random", "window7", "causal"])
+def test_head_groups_cover_every_block(case, heads_in_l2, want_group, monkeypatch):
+    """The programs' schedule (groups of G heads, heaviest blocks first, the last group smaller when G does not
+    divide H): with 5 heads and G = 1 (one head after another), 2 (groups 2, 2, 1) and 5 (all at once) every
+    (block, head) is computed once: the outputs and gradients equal the reference."""
+    lengths = LENGTHS["docs"]
+    (q, k, v), cu = packed(lengths, 5, 16, torch.float32, seed=4)
+    monkeypatch.setattr(_attn, "L2_GROUP_BYTES", int(heads_in_l2 * 2 * k.shape[0] * 16 * 4))  # keys + values
+    assert _attn.head_group(5, k) == want_group
+    if case == "random":
+        fns = qsparse(*select(lengths, "random", seed=6), cu)
+    else:
+        fns = window_fns(cu, 7) if case == "window7" else causal_fns(cu)
+    out, grads, want, wgrads = run_both(*fns, [q, k, v], torch.float32, seed=13)
+    check_all(out, grads, want, wgrads, torch.float32, f"{case} G={want_group}")
+
+
 WINDOW_CASES = [(w, dt) for w in (1, 7, 16, 100) for dt in (torch.float32, torch.bfloat16)] + [(16, torch.float16)]
 
 

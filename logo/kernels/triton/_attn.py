@@ -20,10 +20,11 @@ are never touched (paper App. B). The dK/dV kernel runs one program per (KV bloc
 slots that can see the block: masked head blocks, then unmasked blocks, then the masked tail. For sparse
 queries the first slot at/after the block's first and last key come from one `torch.searchsorted` over the
 slots' key indices (dead slots sort last; on the GPU, no host sync); for dense queries they are arithmetic.
-The grids are 1-D and ordered by work over every head at once (the query blocks that see the most keys, the
-key blocks that the most queries see, first; head = program % H): with one head after another, the last
-head's longest blocks ran alone at the end of the kernel (at 8k tokens and 16 heads a block can be half of
-an SM's share of the work).
+The grids are 1-D and ordered by work over a group of heads at once (the query blocks that see the most keys,
+the key blocks that the most queries see, first, for every head of the group): with one head after another,
+the last head's longest blocks ran alone at the end of the kernel (at 8k tokens and 16 heads a block can be
+half of an SM's share of the work); with every head at once, long sequences lost the keys' L2 reuse (the
+global branch 10% slower at 32k). `head_group` sizes the group by L2.
 
 dQ has two strategies (`dq_mode`): "separate" recomputes P and dP in a dQ kernel that mirrors the forward
 (7 matmuls per tile pair in the backward, deterministic); "atomic" adds dS K into an fp32 buffer from the
@@ -93,6 +94,18 @@ def _check_dims(q):
         raise ValueError(f"Triton attention supports head dims 16..256 that are powers of two, got {D}")
 
 
+# Bytes of the tensors a group of heads re-reads (keys and values in the forward and dQ, queries and dO in the
+# dK/dV kernel) that may be in flight at once: about a third of an H100's 50 MB L2.
+L2_GROUP_BYTES = 16 << 20
+
+
+def head_group(H: int, x: torch.Tensor) -> int:
+    """Heads whose programs run interleaved (see `_query_block`): as many as fit two (rows, D) tensors like x
+    per head in L2_GROUP_BYTES, at least 1 (one head after another), at most H."""
+    per_head = 2 * x.shape[0] * x.shape[-1] * x.element_size()
+    return max(1, min(H, L2_GROUP_BYTES // max(per_head, 1)))
+
+
 def _rowmajor(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -108,8 +121,10 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int):
     if n == 0:
         return o, lse
     nseq, steps = _steps(cu_q)
-    _fwd_kernel[(triton.cdiv(n, BM) * H,)](
-        q, k, v, o, lse, cu_q if dense_q else rows, cu_q if dense_q else q_pos, cu_q, cu_k, n, nseq, steps, window, H,
+    nb = triton.cdiv(n, BM)
+    _fwd_kernel[(nb * H,)](
+        q, k, v, o, lse, cu_q if dense_q else rows, cu_q if dense_q else q_pos, cu_q, cu_k, n, nseq, steps, window,
+        nb, H, head_group(H, k),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         scale * _LOG2E, WINDOWED=window > 0, DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=_prec(q.dtype),
         num_warps=warps, num_stages=stages)
@@ -151,8 +166,9 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     else:
         dq = _empty(*q.shape, like=q)
         BM, BN, warps, stages = c["dq"]
-        _dq_kernel[(triton.cdiv(n, BM) * H,)](
-            q, k, v, do, dq, lse, delta, rows_, qpos_, cu_q, cu_k, n, nseq, steps, window, H,
+        nb = triton.cdiv(n, BM)
+        _dq_kernel[(nb * H,)](
+            q, k, v, do, dq, lse, delta, rows_, qpos_, cu_q, cu_k, n, nseq, steps, window, nb, H, head_group(H, k),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
             dq.stride(0), dq.stride(1), scale * _LOG2E, scale,
             WINDOWED=window > 0, DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=prec, num_warps=warps, num_stages=stages)
@@ -163,6 +179,7 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     kidx, split = (cu_k, cu_k) if dense_q else key_rows_and_split(q_pos, rows, cu_q, cu_k, nk, BN)
     _dkdv_kernel[(nbk * H,)](
         q, k, v, do, dk, dv, dq, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk, nseq, steps, window, H,
+        head_group(H, q),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), scale * _LOG2E, scale,
         WINDOWED=window > 0, DENSE_Q=dense_q, ATOMIC_DQ=atomic, BM=BM, BN=BN, D=D, PREC=prec,

@@ -105,18 +105,30 @@ def _slot_rows(ROWS, slots, NQ, DENSE_Q: tl.constexpr):
 
 
 @triton.jit
-def _query_block(ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NH, WINDOWED: tl.constexpr,
+def _program_head_rank(lin, NB, NH, G):
+    """(head, rank) of program `lin` in a 1-D grid of NB blocks x NH heads taken in groups of G heads (the last
+    group may be smaller): groups one after another, inside a group ranks in order, the group's heads
+    interleaved."""
+    per_group = G * NB
+    g = lin // per_group
+    gh = tl.minimum(G, NH - g * G)
+    r = lin - g * per_group
+    return g * G + r % gh, r // gh
+
+
+@triton.jit
+def _query_block(ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WINDOWED: tl.constexpr,
                  DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """This program's head, query slots, the rows they hold, which are live (< n_sel), their key spans and the
     key regions of the block (all empty when no slot of the block is live).
 
-    Schedule (a 1-D grid of cdiv(NQ, BM) * NH programs, heaviest first over every head): later slots see more
-    keys, so program i takes rank i // NH, head i % NH, and rank r holds the r-th live block from the end, then
-    the dead blocks. Taking the heads one after another instead left the last head's longest blocks running
-    alone at the end (8k tokens, 16 heads: about 1.3x the balanced time in a simulation of the 132 SMs)."""
-    lin = tl.program_id(0)
-    h = lin % NH
-    rank = lin // NH
+    Schedule: a 1-D grid of cdiv(NQ, BM) * NH programs taken in groups of G heads; inside a group, program i
+    takes rank i // g, head i % g (g = the group's heads), and rank r holds the r-th live block from the end (later
+    slots see more keys), then the dead blocks. So the heaviest blocks of G heads start together: with one head
+    after another the last head's longest blocks ran alone at the end (8k tokens, 16 heads: ~1.3x the balanced
+    time in a simulation of the 132 SMs), while G heads at once keep the keys/values they read in L2 (the host
+    picks G from their size: all heads at once at 32k tokens made the global branch 10% slower)."""
+    h, rank = _program_head_rank(tl.program_id(0), NB, NH, G)
     nsel = _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
     nlive = (nsel + BM - 1) // BM
     pid = tl.where(rank < nlive, nlive - 1 - rank, rank)
@@ -162,13 +174,13 @@ def _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, start,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window", "NH"])
-def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NH,
+@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window", "NB", "NH", "G"])
+def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G,
                 sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, qk_scale,
                 WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 D: tl.constexpr, PREC: tl.constexpr):
     h, slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(
-        ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NH, WINDOWED, DENSE_Q, BM, BN)
+        ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WINDOWED, DENSE_Q, BM, BN)
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -233,13 +245,13 @@ def _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, st
     return dq
 
 
-@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window", "NH"])
-def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NH,
+@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window", "NB", "NH", "G"])
+def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G,
                sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdq_n, sdq_h, qk_scale, scale,
                WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                D: tl.constexpr, PREC: tl.constexpr):
     h, slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(
-        ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NH, WINDOWED, DENSE_Q, BM, BN)
+        ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WINDOWED, DENSE_Q, BM, BN)
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -312,16 +324,15 @@ def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, 
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["NQ", "NK", "NBK", "NSEQ", "STEPS", "window", "NH"])
+@triton.jit(do_not_specialize=["NQ", "NK", "NBK", "NSEQ", "STEPS", "window", "NH", "G"])
 def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q, CU_K, NQ, NK, NBK, NSEQ, STEPS,
-                 window, NH, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdk_n, sdk_h, sdv_n, sdv_h, sdqa_n, sdqa_h,
-                 qk_scale, scale,
+                 window, NH, G, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdk_n, sdk_h, sdv_n, sdv_h,
+                 sdqa_n, sdqa_h, qk_scale, scale,
                  WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
-    # 1-D grid of NBK * NH programs: early key blocks are seen by the most rows, so they go first, over every
-    # head (rank i // NH, head i % NH; see _query_block)
-    pid = tl.program_id(0) // NH
-    h = tl.program_id(0) % NH
+    # 1-D grid of NBK * NH programs in groups of G heads (see _query_block): early key blocks are seen by the
+    # most rows, so they go first
+    h, pid = _program_head_rank(tl.program_id(0), NBK, NH, G)
     keys = pid * BN + tl.arange(0, BN)
     kin = keys < NK
     kc = tl.minimum(keys, NK - 1)
