@@ -88,7 +88,8 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
     total, non_emb = param_counts(model)
     model.to_empty(device=device)
     model.init_weights()
-    parallelize(model, None, torch.bfloat16 if cuda else torch.float32, ac, compile_)
+    parallelize(model, None, torch.bfloat16 if cuda else torch.float32, ac, compile_,
+                compile_mode=cfg.train.compile_mode)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     # lr 0: AdamW does all of its work but the weights stay put, so every step routes the same rows (training
     # moved the untrained gates faster than any threshold rule follows: realized ratios of 0.1-0.9 per step).

@@ -70,21 +70,25 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
 
 def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
-                fsdp: Optional[dict] = None, tp_mesh: Optional[DeviceMesh] = None) -> torch.nn.Module:
+                fsdp: Optional[dict] = None, tp_mesh: Optional[DeviceMesh] = None,
+                compile_mode: str = "default") -> torch.nn.Module:
     """In place: tensor parallelism over tp_mesh, compile, activation checkpointing, then FSDP2 over dp_mesh (the
     flattened dp_shard x cp mesh), each when there is one. `fsdp`: keyword options of `apply_fsdp`
-    (reduce_dtype, reshard_after_forward, forward/backward_prefetch)."""
+    (reduce_dtype, reshard_after_forward, forward/backward_prefetch). compile_mode: torch.compile's mode for
+    the blocks (train.compile_mode; reduce-overhead replays them as CUDA graphs, one device only)."""
+    if compile_blocks and compile_mode == "reduce-overhead" and (dp_mesh is not None or tp_mesh is not None):
+        raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device only: FSDP and tensor "
+                         "parallelism communicate inside the blocks; use train.compile_mode=default")
     if tp_mesh is not None:
         from logo.parallel.tp import apply_tp
         apply_tp(model, tp_mesh)
         if dist.get_rank() == 0:
             log.info("tensor + sequence parallel over %d ranks", tp_mesh.size())
     if compile_blocks:
-        # Each block compiled in place (parameter names unchanged, so checkpoints do not depend on it). The
-        # attention kernels are compile boundaries and LoGo routing has data-dependent shapes: Dynamo splits
-        # the graph there and Inductor fuses the rest (RoPE, norms, gate, fusion, SwiGLU).
+        # Each block compiled in place (parameter names unchanged, so checkpoints do not depend on it), whole:
+        # the attention ops are custom ops and LoGo's routing has static shapes (no graph breaks).
         for block in model.layers.values():
-            block.compile()
+            block.compile(mode=None if compile_mode == "default" else compile_mode)
     if activation_checkpointing:
         from torchtitan.config.job_config import ActivationCheckpoint
         from torchtitan.distributed.activation_checkpoint import apply_ac

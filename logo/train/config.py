@@ -16,6 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from logo.config import AttentionConfig, ConfigError, ModelConfig
 from logo.model.lm_head import LOSS_IMPLS
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
 
 def _fail(name, value, why):
     raise ConfigError(f"invalid config {name}={value!r}: {why}")
@@ -48,6 +50,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU | fp32 | bf16
     compile: bool = False
+    # torch.compile mode of the blocks under train.compile: default | reduce-overhead (CUDA graphs replay each
+    # block's kernels: for small, launch-bound models on one GPU; not with FSDP) | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     activation_checkpointing: bool = False
     # LM-head loss: auto (CUDA: liger when a micro-batch's fp32 logits reach 4 GiB, else plain; CPU: chunked)
     # | liger | chunked | plain (materialised logits). liger and chunked never hold the (tokens, vocab) logits;
@@ -225,6 +230,8 @@ def validate(c: Config) -> None:
         _fail("train.dtype", t.dtype, "choose auto, fp32 or bf16")
     if t.loss not in LOSS_IMPLS:
         _fail("train.loss", t.loss, f"choose one of {list(LOSS_IMPLS)}")
+    if t.compile_mode not in COMPILE_MODES:
+        _fail("train.compile_mode", t.compile_mode, f"choose one of {list(COMPILE_MODES)}")
     if t.grad_clip <= 0:
         _fail("train.grad_clip", t.grad_clip, "must be > 0")
     if not isinstance(t.gc_interval, int) or t.gc_interval < 0:

@@ -52,6 +52,8 @@ def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast, loss_impl: str
     output). The one place the loss is computed: the model's LM head takes the labels and returns the summed
     loss (`loss_impl`: auto | liger | chunked | plain, see logo/model/lm_head.py), so the (T, vocab) logits
     are never materialised unless loss_impl is plain."""
+    if mb.inputs.is_cuda:  # a new iteration for CUDA-graphed blocks (train.compile_mode=reduce-overhead); else a no-op
+        torch.compiler.cudagraph_mark_step_begin()
     with autocast:
         if loss_impl == "plain":  # logits out of the model (what a vocab-split tensor-parallel head gives too)
             out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid, positions=positions)

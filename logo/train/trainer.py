@@ -243,6 +243,10 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     `save_final=False` skips the checkpoint after the last step (benchmarks)."""
     device, rank, world = _setup_distributed(cfg)
     loss_impl = _loss_impl(cfg, device, rank)  # fails here, before the run directory is locked
+    if cfg.train.compile and cfg.train.compile_mode == "reduce-overhead" and world > 1:
+        raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with {world} ranks: CUDA graphs of "
+                          "the blocks need one device (FSDP and tensor parallelism communicate inside them); use "
+                          "train.compile_mode=default")
     plan = make_plan(cfg, world, attention_name)
     lock = _lock_run_dir(Path(plan.run_dir), rank, world, cfg.run.lock_stale_minutes)
     try:
@@ -312,7 +316,7 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     dp_mesh = dims.submesh("dp_shard_cp")
     parallelize(model, dp_mesh, torch.bfloat16 if bf16 else torch.float32,
                 cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg),
-                tp_mesh=dims.submesh("tp"))
+                tp_mesh=dims.submesh("tp"), compile_mode=cfg.train.compile_mode)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and dp_mesh is None else nullcontext())
 
     opt = make_optimizer(model, plan.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, cfg.train.weight_decay)

@@ -23,8 +23,8 @@ slots' key indices (dead slots sort last; on the GPU, no host sync); for dense q
 The grids are 1-D and ordered by work over a group of heads at once (the query blocks that see the most keys,
 the key blocks that the most queries see, first, for every head of the group): with one head after another,
 the last head's longest blocks ran alone at the end of the kernel (at 8k tokens and 16 heads a block can be
-half of an SM's share of the work); with every head at once, long sequences lost the keys' L2 reuse (the
-global branch 10% slower at 32k). `head_group` sizes the group by L2.
+half of an SM's share of the work); at long sequences one head after another keeps its keys in L2 (about 1%
+faster than every head at once at 32k-64k). `head_group` sizes the group.
 
 dQ has two strategies (`dq_mode`): "separate" recomputes P and dP in a dQ kernel that mirrors the forward
 (7 matmuls per tile pair in the backward, deterministic); "atomic" adds dS K into an fp32 buffer from the
@@ -95,8 +95,10 @@ def _check_dims(q):
 
 
 # Bytes of the tensors a group of heads re-reads (keys and values in the forward and dQ, queries and dO in the
-# dK/dV kernel) that may be in flight at once: about a third of an H100's 50 MB L2.
-L2_GROUP_BYTES = 16 << 20
+# dK/dV kernel) that may be in flight at once. H100, rho=0.5 global branch: every head at once at 32k/64k tokens
+# and 8 heads (128/256 MB) was ~1% slower than one head after another; at 8k and 16 heads (64 MB) all at once
+# was fastest.
+L2_GROUP_BYTES = 64 << 20
 
 
 def head_group(H: int, x: torch.Tensor) -> int:

@@ -126,8 +126,8 @@ def _query_block(ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WIN
     takes rank i // g, head i % g (g = the group's heads), and rank r holds the r-th live block from the end (later
     slots see more keys), then the dead blocks. So the heaviest blocks of G heads start together: with one head
     after another the last head's longest blocks ran alone at the end (8k tokens, 16 heads: ~1.3x the balanced
-    time in a simulation of the 132 SMs), while G heads at once keep the keys/values they read in L2 (the host
-    picks G from their size: all heads at once at 32k tokens made the global branch 10% slower)."""
+    time in a simulation of the 132 SMs), while a group small enough for L2 keeps the keys/values it re-reads
+    there (the host picks G from their size: `head_group`)."""
     h, rank = _program_head_rank(tl.program_id(0), NB, NH, G)
     nsel = _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
     nlive = (nsel + BM - 1) // BM
