@@ -257,6 +257,31 @@ def test_compiled_logo_block_at_realistic_shape_on_gpu():
             assert (a - e).norm() <= 2e-2 * e.norm()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_logo_block_replays_as_cuda_graph():
+    """train.compile_mode=reduce-overhead: a LoGo block compiled with CUDA graphs (the custom ops and the routing
+    have static shapes and make no host sync, so the graph captures them) equals eager, step after step, as the
+    threshold and the input change between replays (new values in the same buffers)."""
+    block, cfg = logo_block("cuda", seed=3)
+    B, T = 2, 16
+    seqs = PackedSeqs.build(B, T, "cuda", torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32, device="cuda"))
+    cos, sin = rope_cos_sin(T, cfg.head_dim, 10000.0, "cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator("cuda").manual_seed(0)
+    for step, b in enumerate((0.5, 0.5, 0.45, 0.55, 2.0)):  # the first replays record, later ones replay
+        block.attention.threshold.fill_(b)
+        x0 = torch.randn(B, T, cfg.dim, device="cuda", generator=g)
+        want, wstats, wgrads = run_block(block, x0, cos, sin, seqs)
+        torch.compiler.cudagraph_mark_step_begin()
+        got, stats, grads = run_block(compiled, x0, cos, sin, seqs)
+        assert torch.equal(stats[:2], wstats[:2]), (step, stats[:2], wstats[:2])
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+        for a, e in zip(grads, wgrads):
+            torch.testing.assert_close(a, e, atol=2e-4, rtol=2e-4)
+
+
 def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
     """attention.compile_glue: the layers of a model share one compiled `branches` (no recompilation from one
     layer to the next, for a new threshold or for a batch with more documents), with eager's outputs and

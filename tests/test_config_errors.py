@@ -29,6 +29,7 @@ def load(*overrides):
     (["stage.seq_len=0"], "stage.seq_len"),
     (["checkpoint.interval=0"], "checkpoint.interval"),
     (["train.dtype=fp8"], "train.dtype"),
+    (["train.compile_mode=fast"], "train.compile_mode"),
     (["data=shards", "data.path="], "data.path"),
     (["model.attention.rho=0.3"], "model.attention"),
     (["parallel.reshard_after_forward=sometimes"], "parallel.reshard_after_forward"),

@@ -168,3 +168,14 @@ def test_memory_estimate_and_layout_errors():
     with pytest.raises(ConfigError, match="parallel.tp=2, parallel.cp=2"):
         ParallelDims.sizes(6, 2, 2)
     assert (ParallelDims.sizes(8, 2, 2).dp, ParallelDims.sizes(8, 1, 1).dp) == (2, 8)
+
+
+def test_cuda_graph_blocks_refuse_a_mesh():
+    """train.compile_mode=reduce-overhead replays each block as a CUDA graph: with FSDP or tensor parallelism
+    (collectives inside the blocks) parallelize refuses, naming the setting, before compiling anything."""
+    from logo.config import model_config
+    from logo.model import Transformer
+    from logo.parallelize import parallelize
+    model = Transformer(model_config("tiny", attention=AttentionConfig(kind="logo")))
+    with pytest.raises(ValueError, match="compile_mode=reduce-overhead"):
+        parallelize(model, object(), torch.float32, compile_blocks=True, compile_mode="reduce-overhead")
