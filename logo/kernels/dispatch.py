@@ -16,6 +16,8 @@ import contextlib
 import types
 from typing import Optional
 
+import torch
+
 from logo.kernels import ops
 
 try:  # Triton missing or broken: the reference still works
@@ -88,6 +90,21 @@ def _sliding_window(q, k, v, cu_seqlens, window, scale, backend):
 
 def _causal(q, k, v, cu_seqlens, scale, backend):
     return ops.causal_attention(q, k, v, cu_seqlens, scale, use_triton=_use_triton(q, backend))
+
+
+def fuses_rope_transform(x, A, backend: str = "auto") -> bool:
+    """Whether `rope_transform` runs the fused Triton kernel for x (N, H, D) and A: the Triton backend, a plain
+    tensor A (a DTensor under tensor parallelism is not), and a head dim the kernel's dots take on a GPU
+    (32..256; 16 under the CPU interpreter). The model keeps its unfused path otherwise."""
+    D = x.shape[-1]
+    if not _use_triton(x, backend) or type(A.data) is not torch.Tensor or D & (D - 1) or D > 256:
+        return False
+    return D >= (32 if x.is_cuda else 16)
+
+
+def rope_transform(x, A, cos, sin, backend: str = "auto"):
+    """(RoPE(x), RoPE(x A_h)) in one pass (logo::rope_transform_fwd); see `fuses_rope_transform`."""
+    return ops.rope_transform(x, A, cos, sin, use_triton=_use_triton(x, backend))
 
 
 # The ops without any override (what an override calls after its own work).

@@ -6,6 +6,11 @@ One op pair serves every kind ("range attention": each query slot sees a contigu
     logo::range_attention_bwd(do, q, k, v, o, lse2, q_pos?, rows?, cu_q, cu_k, scale, window, use_triton)
         -> (dq, dk, dv)
 
+and the LoGo layer's branch inputs (RoPE of the local q or k and of its per-head global transform, one pass):
+
+    logo::rope_transform_fwd(x, A, cos, sin, use_triton) -> (RoPE(x), RoPE(x A_h))
+    logo::rope_transform_bwd(gx, gy, x, A, cos, sin, use_triton) -> (dx, dA)
+
 rows None: every row a query (sliding window with window > 0, causal with window 0); else query-sparse with
 the static-shape contract of `logo.kernels.reference` (o (N, H, D), zero at unselected rows; the selected count
 cu_q[-1] stays on the device). use_triton picks the Triton kernels (CUDA, or the CPU interpreter) or the
@@ -130,3 +135,62 @@ def _every_row_a_query(q, k, v, cu_seqlens, window: int, scale, use_triton: bool
     scale = _prepare(q, k, v, None, None, cu_seqlens, cu_seqlens, scale, use_triton)
     cu = _i32(cu_seqlens)
     return range_attention_fwd(q, k, v, None, None, cu, cu, scale, window, use_triton)[0]
+
+
+def _rope_impl(use_triton: bool):
+    if use_triton:
+        from logo.kernels.triton import _rope
+        return _rope
+    return reference
+
+
+@torch.library.custom_op("logo::rope_transform_fwd", mutates_args=())
+def rope_transform_fwd(x: Tensor, A: Tensor, cos: Tensor, sin: Tensor, use_triton: bool) -> tuple[Tensor, Tensor]:
+    """(RoPE(x), RoPE(x A_h)), contiguous (N, H, D) in x's dtype (A is rounded to x's dtype for the product)."""
+    return _rope_impl(use_triton).rope_transform_forward(_rows(x), A.to(x.dtype), cos, sin)
+
+
+@rope_transform_fwd.register_fake
+def _(x, A, cos, sin, use_triton):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(2))
+
+
+@torch.library.custom_op("logo::rope_transform_bwd", mutates_args=())
+def rope_transform_bwd(gx: Tensor, gy: Tensor, x: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
+                       use_triton: bool) -> tuple[Tensor, Tensor]:
+    """dx (N, H, D) in x's dtype, dA (H, D, D) in A's dtype."""
+    dx, dA = _rope_impl(use_triton).rope_transform_backward(_rows(gx), _rows(gy), _rows(x), A.to(x.dtype), cos, sin)
+    return dx, dA.to(A.dtype)
+
+
+@rope_transform_bwd.register_fake
+def _(gx, gy, x, A, cos, sin, use_triton):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(A)
+
+
+def _rope_setup_context(ctx, inputs, output):
+    x, A, cos, sin, use_triton = inputs
+    ctx.save_for_backward(x, A, cos, sin)
+    ctx.use_triton = use_triton
+
+
+def _rope_backward(ctx, gx, gy):
+    x, A, cos, sin = ctx.saved_tensors
+    dx, dA = rope_transform_bwd(gx, gy, x, A, cos, sin, ctx.use_triton)
+    return dx, dA, None, None, None
+
+
+rope_transform_fwd.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+
+
+def rope_transform(x: Tensor, A: Tensor, cos: Tensor, sin: Tensor, use_triton: bool = False) -> tuple[Tensor, Tensor]:
+    """RoPE(x) and RoPE(x A_h) in one pass: x (N, H, D), A (H, D, D), cos/sin (T, D/2) float32 with T dividing N
+    (row n is at position n mod T: B rows of T tokens flattened). Differentiable in x and A."""
+    if x.dim() != 3 or A.shape != (x.shape[1], x.shape[2], x.shape[2]):
+        raise ValueError(f"x must be (N, H, D) and A (H, D, D); got {tuple(x.shape)} and {tuple(A.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != x.shape[2] or x.shape[0] % cos.shape[0]:
+        raise ValueError(f"cos and sin must be (T, D/2) = (T, {x.shape[2] // 2}) with T dividing the {x.shape[0]} "
+                         f"rows; got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if use_triton:
+        _rope_impl(True).validate(x, A, cos)
+    return rope_transform_fwd(x, A, cos, sin, use_triton)

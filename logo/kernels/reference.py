@@ -229,3 +229,43 @@ def positions_in_sequence(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
     idx = torch.arange(n, device=cu_seqlens.device)
     seq = torch.searchsorted(cu_seqlens[1:].long(), idx, right=True)
     return (idx - cu_seqlens.long()[seq]).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The LoGo layer's branch inputs: RoPE of x and of its per-head transform x A_h (logo::rope_transform_*)
+# ----------------------------------------------------------------------------------------------------------
+def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x[2i], x[2i+1]) of row n rotated by the angles of cos/sin row n mod T: x (N, H, D) in at least
+    fp32, cos/sin (T, D/2)."""
+    xf = x.unflatten(0, (-1, cos.shape[0])).unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    c, s = cos[:, None, :].to(xf.dtype), sin[:, None, :].to(xf.dtype)  # (T, 1, D/2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).flatten(0, 1)
+
+
+def rope_transform_forward(x, A, cos, sin):
+    """(RoPE(x), RoPE(x A_h)) for x (N, H, D), A (H, D, D), cos/sin (T, D/2) with T dividing N (row n has the
+    angles of position n mod T): two contiguous (N, H, D) tensors in x's dtype, computed in at least fp32 with
+    A rounded to x's dtype first (as the kernel and the unfused path multiply)."""
+    xf = x.to(_cdt(x))
+    y = torch.einsum("nhd,hde->nhe", xf, A.to(x.dtype).to(xf.dtype))
+    return _rope_rows(xf, cos, sin).to(x.dtype), _rope_rows(y, cos, sin).to(x.dtype)
+
+
+def _unrope_rows(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The inverse rotation (the transpose of `_rope_rows`): the gradient of x from the gradient of RoPE(x)."""
+    gf = g.unflatten(0, (-1, cos.shape[0])).unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    c, s = cos[:, None, :].to(gf.dtype), sin[:, None, :].to(gf.dtype)
+    g0, g1 = gf[..., 0], gf[..., 1]
+    return torch.stack((g0 * c + g1 * s, g1 * c - g0 * s), dim=-1).flatten(-2).flatten(0, 1)
+
+
+def rope_transform_backward(gx, gy, x, A, cos, sin):
+    """dx (N, H, D) in x's dtype and dA (H, D, D) in at least fp32 of `rope_transform_forward`, given the
+    gradients gx of RoPE(x) and gy of RoPE(x A_h): with g = RoPE^T(gy), dx = RoPE^T(gx) + g A_h^T and
+    dA_h = sum_rows x^T g (explicit: a custom op's implementation runs below autograd)."""
+    cdt = _cdt(x)
+    xf, Af = x.to(cdt), A.to(x.dtype).to(cdt)
+    g = _unrope_rows(gy.to(cdt), cos, sin)  # (N, H, D)
+    dx = _unrope_rows(gx.to(cdt), cos, sin) + torch.einsum("nhe,hde->nhd", g, Af)
+    return dx.to(x.dtype).contiguous(), torch.einsum("nhd,nhe->hde", xf, g).contiguous()

@@ -160,17 +160,29 @@ class LoGoAttention(QKVAttention):
         """Both branches' attention from the rows' inputs x (N, d) and pre-RoPE q, k, v (N, H, D):
         -> o_local (N, H, D) every row, o_global (N, H, D) zero at unselected rows."""
         backend = self.attn_cfg.backend
-        qg, kg, vg = self.global_branch_qkv(x, q, k, v)  # (N, H, D)
+        q, k, qg, kg, vg = self.rotated_branch_inputs(x, q, k, v, cos, sin, seqs)  # (N, H, D) each
 
         # Local branch: every token.
-        q, k = apply_rope(q, cos, sin, seqs.batch), apply_rope(k, cos, sin, seqs.batch)  # (N, H, D)
         o_local = dispatch.sliding_window_attention(q, k, v, seqs.cu_seqlens, self.window, backend=backend)
 
         # Global branch: the selected query rows (sel.rows[:n_sel]) over dense keys/values; zero elsewhere.
-        qg, kg = apply_rope(qg, cos, sin, seqs.batch), apply_rope(kg, cos, sin, seqs.batch)
         o_global = dispatch.query_sparse_attention(qg, kg, vg, seqs.pos, sel.rows, sel.cu_seqlens_q,
                                                    seqs.cu_seqlens, backend=backend)  # (N, H, D)
         return o_local, o_global
+
+    def rotated_branch_inputs(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
+        """Both branches' attention inputs from x (N, d) and pre-RoPE q, k, v (N, H, D): RoPE(q), RoPE(k),
+        RoPE(q^G), RoPE(k^G), v^G (N, H, D). With LP transforms on the Triton backend, q and k pass through the
+        fused kernel (`logo::rope_transform_fwd`: both RoPEs and the transform in one read of q or k)."""
+        A = getattr(self.transform, "A", None)
+        if A is not None and dispatch.fuses_rope_transform(q, A, self.attn_cfg.backend):
+            q, qg = dispatch.rope_transform(q, A[0], cos, sin, self.attn_cfg.backend)
+            k, kg = dispatch.rope_transform(k, A[1], cos, sin, self.attn_cfg.backend)
+            return q, k, qg, kg, self.transform(2, v)
+        qg, kg, vg = self.global_branch_qkv(x, q, k, v)
+        q, k = apply_rope(q, cos, sin, seqs.batch), apply_rope(k, cos, sin, seqs.batch)
+        qg, kg = apply_rope(qg, cos, sin, seqs.batch), apply_rope(kg, cos, sin, seqs.batch)
+        return q, k, qg, kg, vg
 
     def fuse(self, o_local, o_global, p, z):
         """Both ContextNorms and the fusion in one elementwise expression (compile fuses it into one kernel):

@@ -4,7 +4,7 @@ Between the shared pre-RoPE q, k, v and the two attention ops lie only cheap map
 and RoPE), yet autograd would keep every one of their outputs for the backward: the rotated local q, k and the
 global q, k, v, five (N, H, D) tensors per layer. Under `recompute_all_but_attention` the backward recomputes
 them from q, k, v (kept anyway) and keeps only what the attention ops return. Same values and gradients
-(the recomputation repeats the forward's arithmetic); in eager mode and under `torch.compile` (which reads
+(the recomputation repeats the forward's arithmetic, the fused RoPE + transform op included); in eager mode and under `torch.compile` (which reads
 the same policy).
 """
 from __future__ import annotations
@@ -19,7 +19,9 @@ def _keep_only_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save the outputs of the attention ops and of collectives (context parallelism gathers keys and values
     inside the region: recomputing would repeat the communication); recompute everything else."""
     ns = getattr(op, "namespace", "")
-    if ns == "logo" or ns.startswith("_c10d_functional") or ns == "c10d_functional":
+    if ns == "logo" and not op.name().startswith("logo::rope_transform"):  # the fused RoPE is recomputed
+        return CheckpointPolicy.MUST_SAVE
+    if ns.startswith("_c10d_functional") or ns == "c10d_functional":
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

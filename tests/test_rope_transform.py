@@ -1,0 +1,168 @@
+"""The fused RoPE + per-head transform op (`logo::rope_transform_fwd/bwd`): the Triton kernel against the
+pure-PyTorch reference, the reference against the model's unfused formula, opcheck, and the LoGo layer with the
+fused path equal to the unfused one.
+
+Kernel vs reference (reference in float64; ||out - ref|| <= rtol ||ref|| + atol sqrt(numel)):
+- float32 inputs: rtol 2e-5 (ieee fp32 dots; summation order only; the dA partials are summed per chunk).
+- bfloat16 inputs: rtol 2e-2. Both sides see the same 16-bit x and A; the kernel rounds the outputs once and the
+  inverse-rotated gradient once before its products (as the unfused path's bf16 matmul does): ~4e-3 relative.
+On a machine without a GPU the kernels run under the Triton CPU interpreter (conftest.py) at small head dims.
+"""
+import math
+
+import pytest
+import torch
+
+from logo.config import AttentionConfig, ModelConfig
+from logo.kernels import dispatch, ops
+from logo.kernels import reference as R
+from logo.model.layers import PackedSeqs, apply_rope, rope_cos_sin
+from logo.model.logo_attention import LoGoAttention
+
+from conftest import kept_for_backward
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+HEAD_DIMS = (64, 128) if CUDA else (16, 32)
+RTOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
+
+
+def close(out, want, rtol, atol, what):
+    out, want = out.double(), want.double()
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    err = (out - want).norm().item()
+    bound = rtol * want.norm().item() + atol * math.sqrt(want.numel())
+    assert err <= bound, f"{what}: ||diff|| {err:.3e} > {bound:.3e} (||ref|| {want.norm().item():.3e})"
+
+
+def problem(B, T, H, D, dtype, seed=0, head_major=False):
+    """x (B*T, H, D) (optionally head-major memory, as a batched matmul leaves it), A near identity, angles."""
+    g = torch.Generator().manual_seed(seed)
+    n = B * T
+    x = torch.randn(n, H, D, generator=g, dtype=torch.float64)
+    if head_major:
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # (N, H, D) view of (H, N, D) memory
+    A = torch.eye(D, dtype=torch.float64) + 0.2 * torch.randn(H, D, D, generator=g, dtype=torch.float64)
+    cos, sin = rope_cos_sin(T, D, 10000.0, "cpu")
+    to = dict(device=DEVICE)
+    return x.to(dtype=dtype, **to), A.to(dtype=torch.float32, **to), cos.to(**to), sin.to(**to)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("shape", [(2, 37, 3), (1, 100, 2)], ids=["two_rows", "one_row"])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_kernel_matches_reference(shape, D, dtype, head_major):
+    """Outputs and both gradients, over row counts that are not multiples of the block, several heads."""
+    B, T, H = shape
+    x, A, cos, sin = problem(B, T, H, D, dtype, seed=D, head_major=head_major)
+    g = torch.Generator().manual_seed(1)
+    gx, gy = (torch.randn(x.shape, generator=g).to(device=DEVICE, dtype=dtype) for _ in range(2))
+    x64, A16 = x.double(), A.to(dtype).double()  # the reference sees the kernel's rounded A, in float64
+    want = R.rope_transform_forward(x64, A16, cos, sin) + R.rope_transform_backward(gx.double(), gy.double(), x64,
+                                                                                     A16, cos, sin)
+    got = ops.rope_transform_fwd(x, A, cos, sin, True) + ops.rope_transform_bwd(gx, gy, x, A, cos, sin, True)
+    assert got[3].dtype == torch.float32 and got[2].dtype == dtype
+    for name, a, b in zip(("x_rot", "y_rot", "dx", "dA"), got, want):
+        close(a, b, RTOL[dtype], ATOL[dtype], name)
+
+
+def test_reference_equals_unfused_model_path():
+    """The reference is the model's unfused arithmetic (einsum transform, then apply_rope), in float64."""
+    B, T, H, D = 2, 9, 2, 8
+    x, A, cos, sin = problem(B, T, H, D, torch.float64)
+    x, A = x.cpu().requires_grad_(), A.cpu().double().requires_grad_()
+    cos, sin = cos.cpu(), sin.cpu()
+    want = (apply_rope(x, cos, sin, B), apply_rope(torch.einsum("nhd,hde->nhe", x, A), cos, sin, B))
+    got = R.rope_transform_forward(x, A, cos, sin)
+    g = [torch.randn_like(t) for t in want]
+    dwant = torch.autograd.grad(want, (x, A), g)
+    dgot = R.rope_transform_backward(g[0], g[1], x, A, cos, sin)
+    for a, b in zip(got + dgot, want + dwant):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_opcheck(use_triton):
+    """Schema, fake (meta) outputs, registered autograd (reference inside; the kernels interpreted on CPU)."""
+    x, A, cos, sin = problem(2, 5, 2, 16, torch.float32)
+    x.requires_grad_()
+    A.requires_grad_()
+    torch.library.opcheck(ops.rope_transform_fwd, (x, A, cos, sin, use_triton))
+
+
+def test_op_gradients_equal_autograd_of_the_formula():
+    """The op's registered backward equals autograd through the formula (float64, reference inside)."""
+    B, T, H, D = 1, 11, 2, 8
+    x, A, cos, sin = problem(B, T, H, D, torch.float64)
+    x, A = x.cpu().requires_grad_(), A.cpu().double().requires_grad_()
+    cos, sin = cos.cpu(), sin.cpu()
+    xr, yr = ops.rope_transform(x, A, cos, sin)
+    wx, wy = apply_rope(x, cos, sin, B), apply_rope(torch.einsum("nhd,hde->nhe", x, A), cos, sin, B)
+    g = [torch.randn_like(xr), torch.randn_like(yr)]
+    for a, b in zip(torch.autograd.grad((xr, yr), (x, A), g), torch.autograd.grad((wx, wy), (x, A), g)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_bad_inputs_are_named():
+    x, A, cos, sin = problem(2, 5, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"A \(H, D, D\)"):
+        ops.rope_transform(x, A[:, :8], cos, sin)
+    with pytest.raises(ValueError, match="T dividing"):
+        ops.rope_transform(x, A, cos[:3], sin[:3])
+    with pytest.raises(ValueError, match="head dim"):
+        xs = torch.zeros(4, 2, 24, device=DEVICE)
+        c = torch.zeros(4, 12, device=DEVICE)
+        ops.rope_transform(xs, torch.zeros(2, 24, 24, device=DEVICE), c, c, use_triton=True)
+
+
+def _layer(fused: bool, monkeypatch, recompute: str = "never"):
+    if not fused:
+        monkeypatch.setattr(dispatch, "fuses_rope_transform", lambda *a, **k: False)
+    D = HEAD_DIMS[-1]
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1,
+                      attention=AttentionConfig(kind="logo", window=8, backend="triton", gate_init_std=0.5,
+                                                recompute_branch_inputs=recompute))
+    layer = LoGoAttention(cfg).to(DEVICE)
+    layer.init_weights(0.5, 0.5)
+    with torch.no_grad():  # a transform away from identity, so its gradient and product matter
+        layer.transform.A.add_(0.1 * torch.randn_like(layer.transform.A))
+    return layer, cfg, D
+
+
+def _run(layer, cfg, D):
+    B, T = 2, 24
+    x = torch.randn(B, T, cfg.dim, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3),
+                    requires_grad=True)
+    seqs = PackedSeqs.build(B, T, DEVICE, torch.tensor([0, 10, 24, 31, 48], dtype=torch.int32, device=DEVICE))
+    cos, sin = rope_cos_sin(T, D, 10000.0, DEVICE)
+    with kept_for_backward() as kept:
+        out, _, stats = layer(x, cos, sin, seqs)
+    assert 0 < stats[0] < B * T
+    out.square().sum().backward()
+    return (out.detach(), x.grad, layer.transform.A.grad, layer.wq.weight.grad), sum(kept.values())
+
+
+def test_logo_layer_fused_equals_unfused(monkeypatch):
+    """The LoGo layer on the Triton backend: fused RoPE + transform (q, k) against the unfused einsum + RoPE,
+    float32: output and the gradients of x, A, W_q."""
+    fused, _ = _run(*_layer(True, monkeypatch))
+    with monkeypatch.context() as m:
+        unfused, _ = _run(*_layer(False, m))
+    for name, a, b in zip(("out", "dx", "dA", "dWq"), fused, unfused):
+        close(a, b, 2e-5, 1e-6, name)
+
+
+def test_fused_op_is_recomputed_not_kept(monkeypatch):
+    """recompute_branch_inputs=always: the fused op's four outputs are recomputed in the backward (not kept),
+    with the same gradients."""
+    (out, *grads), kept_never = _run(*_layer(True, monkeypatch, "never"))
+    (out_r, *grads_r), kept_always = _run(*_layer(True, monkeypatch, "always"))
+    layer, cfg, D = _layer(True, monkeypatch)
+    one_nhd = 2 * 24 * cfg.dim * 4  # one (N, H, D) float32 tensor
+    assert kept_never - kept_always >= 4 * one_nhd, (kept_never, kept_always)
+    torch.testing.assert_close(out_r, out, atol=0, rtol=0)
+    for a, b in zip(grads_r, grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
