@@ -65,6 +65,9 @@ class AttentionConfig:
     # Eager CUDA training: run the LoGo layer's glue (gate, routing, transforms, RoPE, norms, fusion) around the
     # attention kernels as one torch.compile region shared by all layers (logo_attention.py `compile_glue`).
     compile_glue: bool = True
+    # LP transforms on the Triton backend: RoPE of q, k and of their global transforms in one kernel per tensor
+    # (logo/kernels/triton/_rope.py); false runs the unfused batched matmuls and RoPEs (same math, rounded twice).
+    fuse_rope: bool = True
     backend: str = "auto"  # attention ops: auto (triton on CUDA, reference on CPU) | reference | triton
 
     def validate(self, n_layers: Optional[int] = None, n_heads: Optional[int] = None) -> "AttentionConfig":

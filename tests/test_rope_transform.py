@@ -117,14 +117,12 @@ def test_bad_inputs_are_named():
         ops.rope_transform(xs, torch.zeros(2, 24, 24, device=DEVICE), c, c, use_triton=True)
 
 
-def _layer(fused: bool, monkeypatch, recompute: str = "never"):
-    if not fused:
-        monkeypatch.setattr(dispatch, "fuses_rope_transform", lambda *a, **k: False)
+def _layer(fused: bool, recompute: str = "never"):
     D = HEAD_DIMS[-1]
     torch.manual_seed(0)
     cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1,
                       attention=AttentionConfig(kind="logo", window=8, backend="triton", gate_init_std=0.5,
-                                                recompute_branch_inputs=recompute))
+                                                recompute_branch_inputs=recompute, fuse_rope=fused))
     layer = LoGoAttention(cfg).to(DEVICE)
     layer.init_weights(0.5, 0.5)
     with torch.no_grad():  # a transform away from identity, so its gradient and product matter
@@ -146,21 +144,25 @@ def _run(layer, cfg, D):
 
 
 def test_logo_layer_fused_equals_unfused(monkeypatch):
-    """The LoGo layer on the Triton backend: fused RoPE + transform (q, k) against the unfused einsum + RoPE,
-    float32: output and the gradients of x, A, W_q."""
-    fused, _ = _run(*_layer(True, monkeypatch))
-    with monkeypatch.context() as m:
-        unfused, _ = _run(*_layer(False, m))
+    """The LoGo layer on the Triton backend: fused RoPE + transform (q, k) against the unfused einsum + RoPE
+    (attention.fuse_rope=false), float32: output and the gradients of x, A, W_q; the fused op runs only when on."""
+    calls = []
+    monkeypatch.setattr(dispatch, "rope_transform", lambda *a, **k: calls.append(1) or ops.rope_transform(
+        *a[:4], use_triton=True))
+    fused, _ = _run(*_layer(True))
+    assert len(calls) == 2  # q and k
+    unfused, _ = _run(*_layer(False))
+    assert len(calls) == 2
     for name, a, b in zip(("out", "dx", "dA", "dWq"), fused, unfused):
         close(a, b, 2e-5, 1e-6, name)
 
 
-def test_fused_op_is_recomputed_not_kept(monkeypatch):
+def test_fused_op_is_recomputed_not_kept():
     """recompute_branch_inputs=always: the fused op's four outputs are recomputed in the backward (not kept),
     with the same gradients."""
-    (out, *grads), kept_never = _run(*_layer(True, monkeypatch, "never"))
-    (out_r, *grads_r), kept_always = _run(*_layer(True, monkeypatch, "always"))
-    layer, cfg, D = _layer(True, monkeypatch)
+    (out, *grads), kept_never = _run(*_layer(True, "never"))
+    (out_r, *grads_r), kept_always = _run(*_layer(True, "always"))
+    layer, cfg, D = _layer(True)
     one_nhd = 2 * 24 * cfg.dim * 4  # one (N, H, D) float32 tensor
     assert kept_never - kept_always >= 4 * one_nhd, (kept_never, kept_always)
     torch.testing.assert_close(out_r, out, atol=0, rtol=0)

@@ -175,7 +175,7 @@ class LoGoAttention(QKVAttention):
         RoPE(q^G), RoPE(k^G), v^G (N, H, D). With LP transforms on the Triton backend, q and k pass through the
         fused kernel (`logo::rope_transform_fwd`: both RoPEs and the transform in one read of q or k)."""
         A = getattr(self.transform, "A", None)
-        if A is not None and dispatch.fuses_rope_transform(q, A, self.attn_cfg.backend):
+        if A is not None and self.attn_cfg.fuse_rope and dispatch.fuses_rope_transform(q, A, self.attn_cfg.backend):
             q, qg = dispatch.rope_transform(q, A[0], cos, sin, self.attn_cfg.backend)
             k, kg = dispatch.rope_transform(k, A[1], cos, sin, self.attn_cfg.backend)
             return q, k, qg, kg, self.transform(2, v)
