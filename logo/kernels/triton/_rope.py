@@ -6,11 +6,12 @@ transform, in one pass over the rows (the reference is `logo.kernels.reference.r
 Unfused, these are a batched matmul (read x, write y), RoPE of y (read, write) and RoPE of x (read, write), each
 memory-bound, and the backward repeats the pattern (plus a second batched matmul for dA and an add): at 1.5B/8k
 the transforms and RoPEs of both branches were ~14 ms of a 225 ms step. Here the forward reads x once and writes
-both outputs; the backward reads x and both incoming gradients once, writes dx, and reduces dA per chunk of rows
-(partials (C, H, D, D) float32, summed on the host side: deterministic, no atomics).
+both outputs; the backward reads both incoming gradients once and writes dx and y's unrotated gradient g, from
+which one batched matmul (split over row chunks when heads are few) gives dA = x^T g.
 
 RoPE rotates pairs (x[2i], x[2i+1]); the kernels load a row block as (BM, D/2, 2) and split it, and multiply
-x by A's even and odd columns separately (two (BM, D) @ (D, D/2) dots), so y's pairs come out split already.
+x by A's even and odd columns separately (two (BM, D) @ (D, D/2) dots), so y's pairs come out split already;
+the host hands the kernels A with its columns reordered even-then-odd, so every load is contiguous.
 Products run on tensor cores in the input dtype with float32 accumulation (the unfused path rounded y to the
 input dtype before rotating it; here the rotation reads the float32 product).
 """
@@ -43,9 +44,10 @@ def _angles(COS, SIN, rows, T, rmask, HALF: tl.constexpr):
 
 @triton.jit
 def _transform_cols(A, h, sa_h, D: tl.constexpr, HALF: tl.constexpr):
-    """A_h's even and odd columns, (D, HALF) each, in A's dtype."""
-    base = A + h * sa_h + tl.arange(0, D)[:, None] * D + 2 * tl.arange(0, HALF)[None, :]
-    return tl.load(base), tl.load(base + 1)
+    """A_h's even and odd columns, (D, HALF) each, from A with its columns reordered even-then-odd on the host
+    (`_even_odd_cols`: contiguous loads; reading every other column of A directly was 5x slower)."""
+    base = A + h * sa_h + tl.arange(0, D)[:, None] * D + tl.arange(0, HALF)[None, :]
+    return tl.load(base), tl.load(base + HALF)
 
 
 @triton.jit
@@ -74,40 +76,30 @@ def _rope_transform_fwd_kernel(X, A, COS, SIN, XR, YR, N, T, sx_n, sx_h, sa_h,
 
 
 @triton.jit
-def _rope_transform_bwd_kernel(GX, GY, X, A, COS, SIN, DX, DA, N, T, BLOCKS_PER_CHUNK,
-                               sgx_n, sgx_h, sgy_n, sgy_h, sx_n, sx_h, sa_h,
+def _rope_transform_bwd_kernel(GX, GY, A, COS, SIN, DX, G, N, T, sgx_n, sgx_h, sgy_n, sgy_h, sa_h,
                                BM: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
-    """One program per (chunk of rows, head): dx for its rows, and its partial dA_h (float32) into DA[chunk, h].
-
-    With g = RoPE^T(dy_rot) (the inverse rotation): dx = RoPE^T(dx_rot) + g A_h^T, dA_h = sum_rows x^T g."""
+    """One program per (block of BM rows, head). With g = RoPE^T(gy) (the inverse rotation of y's gradient):
+    dx = RoPE^T(gx) + g A_h^T into DX, and g itself into G (both contiguous (N, H, D) in x's dtype), from which
+    the host takes dA_h = x^T g with one batched matmul. (Reducing dA here as well kept two (D, D/2) float32
+    accumulators per program live across a loop over rows: 3.5x slower than this kernel plus the matmul.)"""
     HALF: tl.constexpr = D // 2
-    chunk = tl.program_id(0)
     h = tl.program_id(1)
     H = tl.num_programs(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, D)
+    c, s = _angles(COS, SIN, rows, T, rmask, HALF)
+    gxe, gxo = _pairs(GX + rows64[:, None] * sgx_n + h * sgx_h + offs_d[None, :], rmask[:, None], BM, HALF)
+    gye, gyo = _pairs(GY + rows64[:, None] * sgy_n + h * sgy_h + offs_d[None, :], rmask[:, None], BM, HALF)
+    ge = (gye * c + gyo * s).to(DX.dtype.element_ty)  # y's gradient, rounded like the unfused path's
+    go = (gyo * c - gye * s).to(DX.dtype.element_ty)
     ae, ao = _transform_cols(A, h, sa_h, D, HALF)  # (D, HALF)
-    dae = tl.zeros([D, HALF], tl.float32)
-    dao = tl.zeros([D, HALF], tl.float32)
-    for b in range(0, BLOCKS_PER_CHUNK):
-        rows = (chunk * BLOCKS_PER_CHUNK + b) * BM + tl.arange(0, BM)
-        rmask = rows < N
-        rows64 = rows.to(tl.int64)
-        c, s = _angles(COS, SIN, rows, T, rmask, HALF)
-        gxe, gxo = _pairs(GX + rows64[:, None] * sgx_n + h * sgx_h + offs_d[None, :], rmask[:, None], BM, HALF)
-        gye, gyo = _pairs(GY + rows64[:, None] * sgy_n + h * sgy_h + offs_d[None, :], rmask[:, None], BM, HALF)
-        x = tl.load(X + rows64[:, None] * sx_n + h * sx_h + offs_d[None, :], mask=rmask[:, None], other=0.0)
-        ge = (gye * c + gyo * s).to(x.dtype)  # d/dy even, odd columns, rounded like the unfused path's grads
-        go = (gyo * c - gye * s).to(x.dtype)
-        dxe = gxe * c + gxo * s
-        dxo = gxo * c - gxe * s
-        dx = _interleave(dxe, dxo, BM, D) + _dot(ge, tl.trans(ae), PREC) + _dot(go, tl.trans(ao), PREC)
-        tl.store(DX + rows64[:, None] * (H * D) + h * D + offs_d[None, :], dx.to(DX.dtype.element_ty),
-                 mask=rmask[:, None])
-        xt = tl.trans(x)  # (D, BM); masked rows are zero
-        dae += _dot(xt, ge, PREC)
-        dao += _dot(xt, go, PREC)
-    da = _interleave(dae, dao, D, D)  # (D, D): column 2j from the even part, 2j+1 from the odd
-    tl.store(DA + (chunk * H + h) * D * D + offs_d[:, None] * D + offs_d[None, :], da)
+    dx = _interleave(gxe * c + gxo * s, gxo * c - gxe * s, BM, D)
+    dx += _dot(ge, tl.trans(ae), PREC) + _dot(go, tl.trans(ao), PREC)
+    out = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
+    tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=rmask[:, None])
+    tl.store(G + out, _interleave(ge, go, BM, D), mask=rmask[:, None])
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -117,9 +109,26 @@ def _prec(dtype: torch.dtype) -> str:
     return "up" if INTERPRET else "tf32"
 
 
-def _block(device: torch.device) -> int:
+# (rows per block, warps) of each kernel on a GPU; benchmarks/rope_transform.py sweeps them.
+CONFIG = {"fwd": (64, 4), "bwd": (64, 4)}
+
+
+def _launch(kind: str, device: torch.device, D: int) -> tuple[int, int]:
     from logo.kernels.triton._attn import INTERPRET
-    return 16 if INTERPRET or device.type != "cuda" else 64
+    if INTERPRET or device.type != "cuda":
+        return 16, 4
+    bm, warps = CONFIG[kind]
+    return bm, warps
+
+
+def _even_odd_cols(A: torch.Tensor) -> torch.Tensor:
+    """A (H, D, D) with its columns reordered: even ones (0, 2, ...) first, then odd ones."""
+    return torch.cat((A[..., 0::2], A[..., 1::2]), dim=-1).contiguous()
+
+
+def _interleave_cols(a: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_even_odd_cols`."""
+    return torch.stack(a.chunk(2, dim=-1), dim=-1).flatten(-2)
 
 
 def validate(x: torch.Tensor, A: torch.Tensor, cos: torch.Tensor):
@@ -142,17 +151,23 @@ def rope_transform_forward(x, A, cos, sin):
     yr = torch.empty_like(xr)
     if N == 0:
         return xr, yr
-    A, cos, sin = A.contiguous(), cos.contiguous(), sin.contiguous()
-    BM = _block(x.device)
+    A, cos, sin = _even_odd_cols(A), cos.contiguous(), sin.contiguous()
+    BM, warps = _launch("fwd", x.device, D)
     _rope_transform_fwd_kernel[(triton.cdiv(N, BM), H)](
         x, A, cos, sin, xr, yr, N, cos.shape[0], x.stride(0), x.stride(1), A.stride(0),
-        BM=BM, D=D, PREC=_prec(x.dtype), num_warps=4)
+        BM=BM, D=D, PREC=_prec(x.dtype), num_warps=warps)
     return xr, yr
 
 
-# Programs of the backward (chunks x heads), about two per SM on an H100: the partial dA it sums is
-# chunks x H x D x D float32 (16 MB at 16 heads of 128), far less than one (N, H, D) pass at 8k tokens.
-_BWD_PROGRAMS = 264
+def _transform_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """dA_h = x_h^T g_h (H, D, D) float32, for x, g (N, H, D). Split over S chunks of rows (a batch of H*S
+    products, then a float32 sum): with few heads one product per head leaves most of the GPU idle."""
+    N, H, D = x.shape
+    S = max(1, min(64 // H, N // 1024))
+    while N % S:
+        S -= 1
+    part = torch.einsum("snhd,snhe->shde", x.view(S, N // S, H, D), g.view(S, N // S, H, D))
+    return part.float().sum(0)
 
 
 def rope_transform_backward(gx, gy, x, A, cos, sin):
@@ -162,14 +177,10 @@ def rope_transform_backward(gx, gy, x, A, cos, sin):
     dx = torch.empty((N, H, D), device=x.device, dtype=x.dtype)
     if N == 0:
         return dx, torch.zeros((H, D, D), device=x.device, dtype=torch.float32)
-    A, cos, sin = A.contiguous(), cos.contiguous(), sin.contiguous()
-    BM = _block(x.device)
-    blocks = triton.cdiv(N, BM)
-    per_chunk = triton.cdiv(blocks, max(1, min(blocks, triton.cdiv(_BWD_PROGRAMS, H))))
-    chunks = triton.cdiv(blocks, per_chunk)
-    partial = torch.empty((chunks, H, D, D), device=x.device, dtype=torch.float32)
-    _rope_transform_bwd_kernel[(chunks, H)](
-        gx, gy, x, A, cos, sin, dx, partial, N, cos.shape[0], per_chunk,
-        gx.stride(0), gx.stride(1), gy.stride(0), gy.stride(1), x.stride(0), x.stride(1), A.stride(0),
-        BM=BM, D=D, PREC=_prec(x.dtype), num_warps=8 if D >= 128 else 4)
-    return dx, partial.sum(0)
+    g = torch.empty_like(dx)
+    A, cos, sin = _even_odd_cols(A), cos.contiguous(), sin.contiguous()
+    BM, warps = _launch("bwd", x.device, D)
+    _rope_transform_bwd_kernel[(triton.cdiv(N, BM), H)](
+        gx, gy, A, cos, sin, dx, g, N, cos.shape[0], gx.stride(0), gx.stride(1), gy.stride(0), gy.stride(1),
+        A.stride(0), BM=BM, D=D, PREC=_prec(x.dtype), num_warps=warps)
+    return dx, _transform_grad(x, g)
