@@ -3,12 +3,13 @@
     python benchmarks/rope_transform.py --out benchmarks/results/h100_rope_transform.json
     python benchmarks/rope_transform.py --sweep      # (rows per block, warps) of both kernels
 
-Per call, for one of q or k of a LoGo layer (1.5B at 8k: N=8192 rows, 16 heads of 128, bf16): forward
-(RoPE(x), RoPE(x A)) and backward (dx, dA), as medians of `triton.testing.do_bench`. The unfused baseline is the
+Per call, for q and k of a LoGo layer (1.5B at 8k: N=8192 rows, 16 heads of 128, bf16): forward (RoPE and
+RoPE of the transform, of both) and backward (dq, dk, dA), as medians of `triton.testing.do_bench`. On the GPU
+machine's slow host, times of a few tens of microseconds include launch gaps: read kernel times from a profile. The unfused baseline is the
 model's formula (batched matmul, then RoPE of both) under torch.compile, as the compiled LoGo layer runs it.
 A copy ceiling (read + write one (N, H, D) tensor) puts the numbers in memory-pass units: the fused forward
-moves 3 passes (read x, write two), the backward kernel 4 (read two gradients, write dx and y's unrotated
-gradient g), then the dA matmul reads x and g.
+moves 6 passes (read q, k, write four), the backward kernel 8 (read four gradients, write dq, dk and the two
+unrotated gradients g), then the dA matmuls read q, k and g.
 """
 from __future__ import annotations
 
@@ -32,33 +33,32 @@ def bench(fn) -> float:
 
 
 def problem(n, H, D, dtype=torch.bfloat16):
-    x = torch.randn(n, H, D, device="cuda", dtype=dtype, requires_grad=True)
-    A = (torch.eye(D, device="cuda") + 0.05 * torch.randn(H, D, D, device="cuda")).requires_grad_()
+    q, k = (torch.randn(n, H, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    A = (torch.eye(D, device="cuda") + 0.05 * torch.randn(2, H, D, D, device="cuda")).requires_grad_()
     cos, sin = rope_cos_sin(n, D, 10000.0, "cuda")
-    g = [torch.randn(n, H, D, device="cuda", dtype=dtype) for _ in range(2)]
-    return x, A, cos, sin, g
+    g = [torch.randn(n, H, D, device="cuda", dtype=dtype) for _ in range(4)]
+    return q, k, A, cos, sin, g
 
 
-def unfused(x, A, cos, sin):
-    y = torch.einsum("nhd,hde->nhe", x, A.to(x.dtype))
-    return apply_rope(x, cos, sin, 1), apply_rope(y, cos, sin, 1)
+def unfused(q, k, A, cos, sin):
+    qg, kg = (torch.einsum("nhd,hde->nhe", x, a.to(x.dtype)) for x, a in ((q, A[0]), (k, A[1])))
+    return tuple(apply_rope(t, cos, sin, 1) for t in (q, k, qg, kg))
 
 
 def measure(n, H, D, rows, label=""):
-    x, A, cos, sin, g = problem(n, H, D)
-    xd = x.detach()
-    copy = bench(lambda: xd.clone())
-    fwd = bench(lambda: ops.rope_transform_fwd(xd, A.detach(), cos, sin, True))
-    bwd = bench(lambda: ops.rope_transform_bwd(g[0], g[1], xd, A.detach(), cos, sin, True))
+    """q and k of one layer: the fused op's two kernels alone, then forward + backward through autograd."""
+    q, k, A, cos, sin, g = problem(n, H, D)
+    qd, kd, Ad = q.detach(), k.detach(), A.detach()
+    copy = bench(lambda: qd.clone())
+    fwd = bench(lambda: _rope.rope_transform_forward(qd, kd, Ad, cos, sin))
+    bwd = bench(lambda: _rope.rope_transform_backward(*g, qd, kd, Ad, cos, sin))
     comp = torch.compile(unfused)
 
     def fused_step():
-        out = ops.rope_transform(x, A, cos, sin, use_triton=True)
-        torch.autograd.backward(out, g)
+        torch.autograd.backward(ops.rope_transform(q, k, A, cos, sin, use_triton=True), g)
 
     def unfused_step():
-        out = comp(x, A, cos, sin)
-        torch.autograd.backward(out, g)
+        torch.autograd.backward(comp(q, k, A, cos, sin), g)
 
     both = bench(fused_step)
     base = bench(unfused_step)

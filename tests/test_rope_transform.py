@@ -37,16 +37,25 @@ def close(out, want, rtol, atol, what):
 
 
 def problem(B, T, H, D, dtype, seed=0, head_major=False):
-    """x (B*T, H, D) (optionally head-major memory, as a batched matmul leaves it), A near identity, angles."""
+    """q, k (B*T, H, D) (optionally head-major memory, as a batched matmul leaves it), A (2, H, D, D) near
+    identity, the angles."""
     g = torch.Generator().manual_seed(seed)
     n = B * T
-    x = torch.randn(n, H, D, generator=g, dtype=torch.float64)
+    q, k = (torch.randn(n, H, D, generator=g, dtype=torch.float64) for _ in range(2))
     if head_major:
-        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # (N, H, D) view of (H, N, D) memory
-    A = torch.eye(D, dtype=torch.float64) + 0.2 * torch.randn(H, D, D, generator=g, dtype=torch.float64)
+        q, k = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k))  # (N, H, D) views of (H, N, D)
+    A = torch.eye(D, dtype=torch.float64) + 0.2 * torch.randn(2, H, D, D, generator=g, dtype=torch.float64)
     cos, sin = rope_cos_sin(T, D, 10000.0, "cpu")
     to = dict(device=DEVICE)
-    return x.to(dtype=dtype, **to), A.to(dtype=torch.float32, **to), cos.to(**to), sin.to(**to)
+    return (q.to(dtype=dtype, **to), k.to(dtype=dtype, **to), A.to(dtype=torch.float32, **to), cos.to(**to),
+            sin.to(**to))
+
+
+def unfused(q, k, A, cos, sin, B):
+    """The model's unfused arithmetic: einsum transform, then apply_rope."""
+    return (apply_rope(q, cos, sin, B), apply_rope(k, cos, sin, B),
+            apply_rope(torch.einsum("nhd,hde->nhe", q, A[0]), cos, sin, B),
+            apply_rope(torch.einsum("nhd,hde->nhe", k, A[1]), cos, sin, B))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,31 +63,30 @@ def problem(B, T, H, D, dtype, seed=0, head_major=False):
 @pytest.mark.parametrize("shape", [(2, 37, 3), (1, 100, 2)], ids=["two_rows", "one_row"])
 @pytest.mark.parametrize("head_major", [False, True])
 def test_kernel_matches_reference(shape, D, dtype, head_major):
-    """Outputs and both gradients, over row counts that are not multiples of the block, several heads."""
+    """All four outputs and the three gradients, over row counts that are not multiples of the block."""
     B, T, H = shape
-    x, A, cos, sin = problem(B, T, H, D, dtype, seed=D, head_major=head_major)
+    q, k, A, cos, sin = problem(B, T, H, D, dtype, seed=D, head_major=head_major)
     g = torch.Generator().manual_seed(1)
-    gx, gy = (torch.randn(x.shape, generator=g).to(device=DEVICE, dtype=dtype) for _ in range(2))
-    x64, A16 = x.double(), A.to(dtype).double()  # the reference sees the kernel's rounded A, in float64
-    want = R.rope_transform_forward(x64, A16, cos, sin) + R.rope_transform_backward(gx.double(), gy.double(), x64,
-                                                                                     A16, cos, sin)
-    got = ops.rope_transform_fwd(x, A, cos, sin, True) + ops.rope_transform_bwd(gx, gy, x, A, cos, sin, True)
-    assert got[3].dtype == torch.float32 and got[2].dtype == dtype
-    for name, a, b in zip(("x_rot", "y_rot", "dx", "dA"), got, want):
+    grads = [torch.randn(q.shape, generator=g).to(device=DEVICE, dtype=dtype) for _ in range(4)]
+    A16 = A.to(dtype).double()  # the reference sees the kernel's rounded A, in float64
+    want = R.rope_transform_forward(q.double(), k.double(), A16, cos, sin) + R.rope_transform_backward(
+        *(t.double() for t in grads), q.double(), k.double(), A16, cos, sin)
+    got = ops.rope_transform_fwd(q, k, A, cos, sin, True) + ops.rope_transform_bwd(*grads, q, k, A, cos, sin, True)
+    assert got[6].dtype == torch.float32 and got[4].dtype == dtype
+    for name, a, b in zip(("q_rot", "k_rot", "qg_rot", "kg_rot", "dq", "dk", "dA"), got, want):
         close(a, b, RTOL[dtype], ATOL[dtype], name)
 
 
 def test_reference_equals_unfused_model_path():
     """The reference is the model's unfused arithmetic (einsum transform, then apply_rope), in float64."""
     B, T, H, D = 2, 9, 2, 8
-    x, A, cos, sin = problem(B, T, H, D, torch.float64)
-    x, A = x.cpu().requires_grad_(), A.cpu().double().requires_grad_()
-    cos, sin = cos.cpu(), sin.cpu()
-    want = (apply_rope(x, cos, sin, B), apply_rope(torch.einsum("nhd,hde->nhe", x, A), cos, sin, B))
-    got = R.rope_transform_forward(x, A, cos, sin)
+    q, k, A, cos, sin = (t.cpu() for t in problem(B, T, H, D, torch.float64))
+    q, k, A = q.requires_grad_(), k.requires_grad_(), A.double().requires_grad_()
+    want = unfused(q, k, A, cos, sin, B)
+    got = R.rope_transform_forward(q, k, A, cos, sin)
     g = [torch.randn_like(t) for t in want]
-    dwant = torch.autograd.grad(want, (x, A), g)
-    dgot = R.rope_transform_backward(g[0], g[1], x, A, cos, sin)
+    dwant = torch.autograd.grad(want, (q, k, A), g)
+    dgot = R.rope_transform_backward(*g, q, k, A, cos, sin)
     for a, b in zip(got + dgot, want + dwant):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
@@ -86,35 +94,38 @@ def test_reference_equals_unfused_model_path():
 @pytest.mark.parametrize("use_triton", [False, True])
 def test_opcheck(use_triton):
     """Schema, fake (meta) outputs, registered autograd (reference inside; the kernels interpreted on CPU)."""
-    x, A, cos, sin = problem(2, 5, 2, HEAD_DIMS[0], torch.float32)  # the GPU's dots need D >= 32
-    x.requires_grad_()
-    A.requires_grad_()
-    torch.library.opcheck(ops.rope_transform_fwd, (x, A, cos, sin, use_triton))
+    q, k, A, cos, sin = problem(2, 5, 2, HEAD_DIMS[0], torch.float32)  # the GPU's dots need D >= 32
+    for t in (q, k, A):
+        t.requires_grad_()
+    torch.library.opcheck(ops.rope_transform_fwd, (q, k, A, cos, sin, use_triton))
 
 
 def test_op_gradients_equal_autograd_of_the_formula():
-    """The op's registered backward equals autograd through the formula (float64, reference inside)."""
+    """The op's registered backward equals autograd through the formula (float64, reference inside), also when
+    only some outputs are used."""
     B, T, H, D = 1, 11, 2, 8
-    x, A, cos, sin = problem(B, T, H, D, torch.float64)
-    x, A = x.cpu().requires_grad_(), A.cpu().double().requires_grad_()
-    cos, sin = cos.cpu(), sin.cpu()
-    xr, yr = ops.rope_transform(x, A, cos, sin)
-    wx, wy = apply_rope(x, cos, sin, B), apply_rope(torch.einsum("nhd,hde->nhe", x, A), cos, sin, B)
-    g = [torch.randn_like(xr), torch.randn_like(yr)]
-    for a, b in zip(torch.autograd.grad((xr, yr), (x, A), g), torch.autograd.grad((wx, wy), (x, A), g)):
+    q, k, A, cos, sin = (t.cpu() for t in problem(B, T, H, D, torch.float64))
+    q, k, A = q.requires_grad_(), k.requires_grad_(), A.double().requires_grad_()
+    got, want = ops.rope_transform(q, k, A, cos, sin), unfused(q, k, A, cos, sin, B)
+    g = [torch.randn_like(t) for t in got]
+    for a, b in zip(torch.autograd.grad(got, (q, k, A), g), torch.autograd.grad(want, (q, k, A), g)):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    a = torch.autograd.grad(ops.rope_transform(q, k, A, cos, sin)[2].sum(), (q, A))
+    b = torch.autograd.grad(unfused(q, k, A, cos, sin, B)[2].sum(), (q, A))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
 
 
 def test_bad_inputs_are_named():
-    x, A, cos, sin = problem(2, 5, 2, 16, torch.float32)
-    with pytest.raises(ValueError, match=r"A \(H, D, D\)"):
-        ops.rope_transform(x, A[:, :8], cos, sin)
+    q, k, A, cos, sin = problem(2, 5, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"A \(2, H, D, D\)"):
+        ops.rope_transform(q, k, A[0], cos, sin)
     with pytest.raises(ValueError, match="T dividing"):
-        ops.rope_transform(x, A, cos[:3], sin[:3])
+        ops.rope_transform(q, k, A, cos[:3], sin[:3])
     with pytest.raises(ValueError, match="head dim"):
         xs = torch.zeros(4, 2, 24, device=DEVICE)
         c = torch.zeros(4, 12, device=DEVICE)
-        ops.rope_transform(xs, torch.zeros(2, 24, 24, device=DEVICE), c, c, use_triton=True)
+        ops.rope_transform(xs, xs, torch.zeros(2, 2, 24, 24, device=DEVICE), c, c, use_triton=True)
 
 
 def _layer(fused: bool, recompute: str = "never"):
@@ -148,12 +159,12 @@ def test_logo_layer_fused_equals_unfused(monkeypatch):
     (attention.fuse_rope=false), float32: output and the gradients of x, A, W_q; the fused op runs only when on."""
     calls = []
     monkeypatch.setattr(dispatch, "rope_transform", lambda *a, **k: calls.append(1) or ops.rope_transform(
-        *a[:4], use_triton=True))
+        *a[:5], use_triton=True))
     fused, _ = _run(*_layer(True))
-    assert len(calls) == 2  # q and k
-    unfused, _ = _run(*_layer(False))
-    assert len(calls) == 2
-    for name, a, b in zip(("out", "dx", "dA", "dWq"), fused, unfused):
+    assert len(calls) == 1  # q and k together
+    plain, _ = _run(*_layer(False))
+    assert len(calls) == 1
+    for name, a, b in zip(("out", "dx", "dA", "dWq"), fused, plain):
         close(a, b, 2e-5, 1e-6, name)
 
 

@@ -102,9 +102,10 @@ def fuses_rope_transform(x, A, backend: str = "auto") -> bool:
     return D >= (32 if x.is_cuda else 16)
 
 
-def rope_transform(x, A, cos, sin, backend: str = "auto"):
-    """(RoPE(x), RoPE(x A_h)) in one pass (logo::rope_transform_fwd); see `fuses_rope_transform`."""
-    return ops.rope_transform(x, A, cos, sin, use_triton=_use_triton(x, backend))
+def rope_transform(q, k, A, cos, sin, backend: str = "auto"):
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1) in one pass (logo::rope_transform_fwd); see
+    `fuses_rope_transform`."""
+    return ops.rope_transform(q, k, A, cos, sin, use_triton=_use_triton(q, backend))
 
 
 # The ops without any override (what an override calls after its own work).

@@ -8,8 +8,8 @@ One op pair serves every kind ("range attention": each query slot sees a contigu
 
 and the LoGo layer's branch inputs (RoPE of the local q or k and of its per-head global transform, one pass):
 
-    logo::rope_transform_fwd(x, A, cos, sin, use_triton) -> (RoPE(x), RoPE(x A_h))
-    logo::rope_transform_bwd(gx, gy, x, A, cos, sin, use_triton) -> (dx, dA)
+    logo::rope_transform_fwd(q, k, A, cos, sin, use_triton) -> (RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1))
+    logo::rope_transform_bwd(gq, gk, gqy, gky, q, k, A, cos, sin, use_triton) -> (dq, dk, dA)
 
 rows None: every row a query (sliding window with window > 0, causal with window 0); else query-sparse with
 the static-shape contract of `logo.kernels.reference` (o (N, H, D), zero at unselected rows; the selected count
@@ -145,52 +145,62 @@ def _rope_impl(use_triton: bool):
 
 
 @torch.library.custom_op("logo::rope_transform_fwd", mutates_args=())
-def rope_transform_fwd(x: Tensor, A: Tensor, cos: Tensor, sin: Tensor, use_triton: bool) -> tuple[Tensor, Tensor]:
-    """(RoPE(x), RoPE(x A_h)), contiguous (N, H, D) in x's dtype (A is rounded to x's dtype for the product)."""
-    return _rope_impl(use_triton).rope_transform_forward(_rows(x), A.to(x.dtype), cos, sin)
+def rope_transform_fwd(q: Tensor, k: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
+                       use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1): contiguous (N, H, D) in q's dtype."""
+    return _rope_impl(use_triton).rope_transform_forward(_rows(q), _rows(k), A.contiguous(), cos.contiguous(),
+                                                         sin.contiguous())
 
 
 @rope_transform_fwd.register_fake
-def _(x, A, cos, sin, use_triton):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(2))
+def _(q, k, A, cos, sin, use_triton):
+    return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(4))
 
 
 @torch.library.custom_op("logo::rope_transform_bwd", mutates_args=())
-def rope_transform_bwd(gx: Tensor, gy: Tensor, x: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
-                       use_triton: bool) -> tuple[Tensor, Tensor]:
-    """dx (N, H, D) in x's dtype, dA (H, D, D) in A's dtype."""
-    dx, dA = _rope_impl(use_triton).rope_transform_backward(_rows(gx), _rows(gy), _rows(x), A.to(x.dtype), cos, sin)
-    return dx, dA.to(A.dtype)
+def rope_transform_bwd(gq: Tensor, gk: Tensor, gqy: Tensor, gky: Tensor, q: Tensor, k: Tensor, A: Tensor,
+                       cos: Tensor, sin: Tensor, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk (N, H, D) in q's dtype, dA (2, H, D, D) in A's dtype."""
+    c = Tensor.contiguous
+    dq, dk, dA = _rope_impl(use_triton).rope_transform_backward(c(gq), c(gk), c(gqy), c(gky), _rows(q), _rows(k),
+                                                                c(A), c(cos), c(sin))
+    return dq, dk, dA.to(A.dtype)
 
 
 @rope_transform_bwd.register_fake
-def _(gx, gy, x, A, cos, sin, use_triton):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(A)
+def _(gq, gk, gqy, gky, q, k, A, cos, sin, use_triton):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(A, memory_format=torch.contiguous_format))
 
 
 def _rope_setup_context(ctx, inputs, output):
-    x, A, cos, sin, use_triton = inputs
-    ctx.save_for_backward(x, A, cos, sin)
+    q, k, A, cos, sin, use_triton = inputs
+    ctx.save_for_backward(q, k, A, cos, sin)
     ctx.use_triton = use_triton
 
 
-def _rope_backward(ctx, gx, gy):
-    x, A, cos, sin = ctx.saved_tensors
-    dx, dA = rope_transform_bwd(gx, gy, x, A, cos, sin, ctx.use_triton)
-    return dx, dA, None, None, None
+def _rope_backward(ctx, gq, gk, gqy, gky):
+    q, k, A, cos, sin = ctx.saved_tensors
+    grads = [torch.zeros_like(q) if g is None else g for g in (gq, gk, gqy, gky)]
+    dq, dk, dA = rope_transform_bwd(*grads, q, k, A, cos, sin, ctx.use_triton)
+    return dq, dk, dA, None, None, None
 
 
 rope_transform_fwd.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
-def rope_transform(x: Tensor, A: Tensor, cos: Tensor, sin: Tensor, use_triton: bool = False) -> tuple[Tensor, Tensor]:
-    """RoPE(x) and RoPE(x A_h) in one pass: x (N, H, D), A (H, D, D), cos/sin (T, D/2) float32 with T dividing N
-    (row n is at position n mod T: B rows of T tokens flattened). Differentiable in x and A."""
-    if x.dim() != 3 or A.shape != (x.shape[1], x.shape[2], x.shape[2]):
-        raise ValueError(f"x must be (N, H, D) and A (H, D, D); got {tuple(x.shape)} and {tuple(A.shape)}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != x.shape[2] or x.shape[0] % cos.shape[0]:
-        raise ValueError(f"cos and sin must be (T, D/2) = (T, {x.shape[2] // 2}) with T dividing the {x.shape[0]} "
+def rope_transform(q: Tensor, k: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
+                   use_triton: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1) in one pass: q, k (N, H, D), A (2, H, D, D) (the q and k
+    transforms), cos/sin (T, D/2) float32 with T dividing N (row n is at position n mod T: B rows of T tokens
+    flattened). Differentiable in q, k and A."""
+    if q.dim() != 3 or k.shape != q.shape or A.shape != (2, q.shape[1], q.shape[2], q.shape[2]):
+        raise ValueError(f"q and k must be (N, H, D) and A (2, H, D, D); got {tuple(q.shape)}, {tuple(k.shape)} "
+                         f"and {tuple(A.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != q.shape[2] or q.shape[0] % cos.shape[0]:
+        raise ValueError(f"cos and sin must be (T, D/2) = (T, {q.shape[2] // 2}) with T dividing the {q.shape[0]} "
                          f"rows; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if use_triton:
-        _rope_impl(True).validate(x, A, cos)
-    return rope_transform_fwd(x, A, cos, sin, use_triton)
+        _rope_impl(True).validate(q, A, cos)
+    return rope_transform_fwd(q, k, A, cos, sin, use_triton)

@@ -243,13 +243,18 @@ def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).flatten(0, 1)
 
 
-def rope_transform_forward(x, A, cos, sin):
-    """(RoPE(x), RoPE(x A_h)) for x (N, H, D), A (H, D, D), cos/sin (T, D/2) with T dividing N (row n has the
-    angles of position n mod T): two contiguous (N, H, D) tensors in x's dtype, computed in at least fp32 with
-    A rounded to x's dtype first (as the kernel and the unfused path multiply)."""
+def _rope_transform_one(x, A, cos, sin):
     xf = x.to(_cdt(x))
     y = torch.einsum("nhd,hde->nhe", xf, A.to(x.dtype).to(xf.dtype))
     return _rope_rows(xf, cos, sin).to(x.dtype), _rope_rows(y, cos, sin).to(x.dtype)
+
+
+def rope_transform_forward(q, k, A, cos, sin):
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1): four (N, H, D) tensors in q's dtype, for q, k (N, H, D),
+    A (2, H, D, D), cos/sin (T, D/2) with T dividing N (row n has the angles of position n mod T). Computed in at
+    least fp32 with A rounded to q's dtype first (as the kernel and the unfused path multiply)."""
+    (qr, qy), (kr, ky) = _rope_transform_one(q, A[0], cos, sin), _rope_transform_one(k, A[1], cos, sin)
+    return qr.contiguous(), kr.contiguous(), qy.contiguous(), ky.contiguous()
 
 
 def _unrope_rows(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -260,12 +265,18 @@ def _unrope_rows(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack((g0 * c + g1 * s, g1 * c - g0 * s), dim=-1).flatten(-2).flatten(0, 1)
 
 
-def rope_transform_backward(gx, gy, x, A, cos, sin):
-    """dx (N, H, D) in x's dtype and dA (H, D, D) in at least fp32 of `rope_transform_forward`, given the
-    gradients gx of RoPE(x) and gy of RoPE(x A_h): with g = RoPE^T(gy), dx = RoPE^T(gx) + g A_h^T and
-    dA_h = sum_rows x^T g (explicit: a custom op's implementation runs below autograd)."""
+def _rope_transform_grad_one(gx, gy, x, A, cos, sin):
     cdt = _cdt(x)
     xf, Af = x.to(cdt), A.to(x.dtype).to(cdt)
     g = _unrope_rows(gy.to(cdt), cos, sin)  # (N, H, D)
     dx = _unrope_rows(gx.to(cdt), cos, sin) + torch.einsum("nhe,hde->nhd", g, Af)
-    return dx.to(x.dtype).contiguous(), torch.einsum("nhd,nhe->hde", xf, g).contiguous()
+    return dx.to(x.dtype), torch.einsum("nhd,nhe->hde", xf, g)
+
+
+def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
+    """dq, dk (N, H, D) in q's dtype and dA (2, H, D, D) in at least fp32 of `rope_transform_forward`, given the
+    gradients of its four outputs: with g = RoPE^T(gy) for y = x A_i, dx = RoPE^T(gx) + g A_i^T and
+    dA_i = sum_rows x^T g (explicit: a custom op runs below autograd)."""
+    dq, dAq = _rope_transform_grad_one(gq, gqy, q, A[0], cos, sin)
+    dk, dAk = _rope_transform_grad_one(gk, gky, k, A[1], cos, sin)
+    return dq.contiguous(), dk.contiguous(), torch.stack((dAq, dAk))

@@ -3,15 +3,18 @@ transform, in one pass over the rows (the reference is `logo.kernels.reference.r
 
     x_rot = RoPE(x)          y_rot = RoPE(x A_h)          x (N, H, D), A (H, D, D), angles of row n: n mod T
 
+for both x = q (with A_q) and x = k (with A_k) in one launch (a third grid axis picks the tensor: on the GPU
+machine's slow host every launch and op call counts, see docs/benchmarks.md).
+
 Unfused, these are a batched matmul (read x, write y), RoPE of y (read, write) and RoPE of x (read, write), each
 memory-bound, and the backward repeats the pattern (plus a second batched matmul for dA and an add): at 1.5B/8k
 the transforms and RoPEs of both branches were ~14 ms of a 225 ms step. Here the forward reads x once and writes
 both outputs; the backward reads both incoming gradients once and writes dx and y's unrotated gradient g, from
 which one batched matmul (split over row chunks when heads are few) gives dA = x^T g.
 
-RoPE rotates pairs (x[2i], x[2i+1]); the kernels load a row block as (BM, D/2, 2) and split it, and multiply
-x by A's even and odd columns separately (two (BM, D) @ (D, D/2) dots), so y's pairs come out split already;
-the host hands the kernels A with its columns reordered even-then-odd, so every load is contiguous.
+RoPE rotates pairs (x[2i], x[2i+1]); the kernels load a row block as (BM, D/2, 2) and split it in registers, and
+multiply x by A's even and odd columns separately (two (BM, D) @ (D, D/2) dots; A is loaded whole and split the
+same way: reading every other column from memory was 5x slower), so y's pairs come out split already.
 Products run on tensor cores in the input dtype with float32 accumulation (the unfused path rounded y to the
 input dtype before rotating it; here the rotation reads the float32 product).
 """
@@ -43,63 +46,79 @@ def _angles(COS, SIN, rows, T, rmask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _transform_cols(A, h, sa_h, D: tl.constexpr, HALF: tl.constexpr):
-    """A_h's even and odd columns, (D, HALF) each, from A with its columns reordered even-then-odd on the host
-    (`_even_odd_cols`: contiguous loads; reading every other column of A directly was 5x slower)."""
-    base = A + h * sa_h + tl.arange(0, D)[:, None] * D + tl.arange(0, HALF)[None, :]
-    return tl.load(base), tl.load(base + HALF)
+def _transform_cols(A, D: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
+    """A's even and odd columns, (D, HALF) each, in `dtype` (A is one contiguous (D, D) matrix, any float type)."""
+    a = tl.load(A + tl.arange(0, D)[:, None] * D + tl.arange(0, D)[None, :]).to(dtype)
+    return tl.split(tl.reshape(a, (D, HALF, 2)))
 
 
 @triton.jit
-def _rope_transform_fwd_kernel(X, A, COS, SIN, XR, YR, N, T, sx_n, sx_h, sa_h,
+def _pick(which, first, second):
+    """`first` for the program's tensor 0 (q), `second` for 1 (k)."""
+    if which == 0:
+        r = first
+    else:
+        r = second
+    return r
+
+
+@triton.jit
+def _rope_transform_fwd_kernel(Q, K, A, COS, SIN, QR, KR, QYR, KYR, N, T, sq_n, sq_h, sk_n, sk_h,
                                BM: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
-    """One program per (block of BM rows, head): x_rot and y_rot (contiguous (N, H, D))."""
+    """One program per (block of BM rows, head, tensor q or k): RoPE(x) into QR | KR and RoPE(x A_t) into
+    QYR | KYR (four contiguous (N, H, D) tensors); A is (2, H, D, D)."""
     HALF: tl.constexpr = D // 2
     h = tl.program_id(1)
     H = tl.num_programs(1)
+    t = tl.program_id(2)
+    X = _pick(t, Q, K)
+    sx_n = _pick(t, sq_n, sk_n)
+    sx_h = _pick(t, sq_h, sk_h)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, D)
     c, s = _angles(COS, SIN, rows, T, rmask, HALF)  # (BM, HALF) float32
-    xptr = X + rows64[:, None] * sx_n + h * sx_h + offs_d[None, :]
-    x = tl.load(xptr, mask=rmask[:, None], other=0.0)  # (BM, D) input dtype
+    x = tl.load(X + rows64[:, None] * sx_n + h * sx_h + offs_d[None, :], mask=rmask[:, None], other=0.0)
     xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BM, HALF, 2)))
     out = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
     xr = _interleave(xe * c - xo * s, xe * s + xo * c, BM, D)
-    tl.store(XR + out, xr.to(XR.dtype.element_ty), mask=rmask[:, None])
-    ae, ao = _transform_cols(A, h, sa_h, D, HALF)
+    tl.store(_pick(t, QR, KR) + out, xr.to(QR.dtype.element_ty), mask=rmask[:, None])
+    ae, ao = _transform_cols(A + (t * H + h) * D * D, D, HALF, X.dtype.element_ty)
     ye = _dot(x, ae, PREC)  # (BM, HALF) float32: columns 0, 2, 4, ... of x A_h
     yo = _dot(x, ao, PREC)
     yr = _interleave(ye * c - yo * s, ye * s + yo * c, BM, D)
-    tl.store(YR + out, yr.to(YR.dtype.element_ty), mask=rmask[:, None])
+    tl.store(_pick(t, QYR, KYR) + out, yr.to(QR.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
-def _rope_transform_bwd_kernel(GX, GY, A, COS, SIN, DX, G, N, T, sgx_n, sgx_h, sgy_n, sgy_h, sa_h,
-                               BM: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
-    """One program per (block of BM rows, head). With g = RoPE^T(gy) (the inverse rotation of y's gradient):
-    dx = RoPE^T(gx) + g A_h^T into DX, and g itself into G (both contiguous (N, H, D) in x's dtype), from which
-    the host takes dA_h = x^T g with one batched matmul. (Reducing dA here as well kept two (D, D/2) float32
-    accumulators per program live across a loop over rows: 3.5x slower than this kernel plus the matmul.)"""
+def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, A, COS, SIN, DQ, DK, G, N, T, BM: tl.constexpr, D: tl.constexpr,
+                               PREC: tl.constexpr):
+    """One program per (block of BM rows, head, tensor t: q or k). With gx, gy the gradients of RoPE(x),
+    RoPE(x A_t) (GQ | GK, GQY | GKY) and g = RoPE^T(gy) (the inverse rotation): dx = RoPE^T(gx) + g A_t,h^T into
+    DQ | DK, and g into G[t]; every tensor contiguous, (N, H, D) (G: (2, N, H, D)).
+    The host takes dA_h = x^T g with a batched matmul (reducing dA here as well kept two (D, D/2) float32
+    accumulators per program live across a loop over rows: slower than this kernel plus the matmul)."""
     HALF: tl.constexpr = D // 2
     h = tl.program_id(1)
     H = tl.num_programs(1)
+    t = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, D)
     c, s = _angles(COS, SIN, rows, T, rmask, HALF)
-    gxe, gxo = _pairs(GX + rows64[:, None] * sgx_n + h * sgx_h + offs_d[None, :], rmask[:, None], BM, HALF)
-    gye, gyo = _pairs(GY + rows64[:, None] * sgy_n + h * sgy_h + offs_d[None, :], rmask[:, None], BM, HALF)
-    ge = (gye * c + gyo * s).to(DX.dtype.element_ty)  # y's gradient, rounded like the unfused path's
-    go = (gyo * c - gye * s).to(DX.dtype.element_ty)
-    ae, ao = _transform_cols(A, h, sa_h, D, HALF)  # (D, HALF)
+    offs = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
+    gxe, gxo = _pairs(_pick(t, GQ, GK) + offs, rmask[:, None], BM, HALF)
+    gye, gyo = _pairs(_pick(t, GQY, GKY) + offs, rmask[:, None], BM, HALF)
+    dt = DQ.dtype.element_ty
+    ge = (gye * c + gyo * s).to(dt)  # y's gradient, rounded like the unfused path's
+    go = (gyo * c - gye * s).to(dt)
+    ae, ao = _transform_cols(A + (t * H + h) * D * D, D, HALF, dt)  # (D, HALF)
     dx = _interleave(gxe * c + gxo * s, gxo * c - gxe * s, BM, D)
     dx += _dot(ge, tl.trans(ae), PREC) + _dot(go, tl.trans(ao), PREC)
-    out = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
-    tl.store(DX + out, dx.to(DX.dtype.element_ty), mask=rmask[:, None])
-    tl.store(G + out, _interleave(ge, go, BM, D), mask=rmask[:, None])
+    tl.store(_pick(t, DQ, DK) + offs, dx.to(dt), mask=rmask[:, None])
+    tl.store(G + t * N * H * D + offs, _interleave(ge, go, BM, D), mask=rmask[:, None])
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -113,50 +132,34 @@ def _prec(dtype: torch.dtype) -> str:
 CONFIG = {"fwd": (64, 4), "bwd": (64, 4)}
 
 
-def _launch(kind: str, device: torch.device, D: int) -> tuple[int, int]:
+def _launch(kind: str, device: torch.device) -> tuple[int, int]:
     from logo.kernels.triton._attn import INTERPRET
     if INTERPRET or device.type != "cuda":
         return 16, 4
-    bm, warps = CONFIG[kind]
-    return bm, warps
-
-
-def _even_odd_cols(A: torch.Tensor) -> torch.Tensor:
-    """A (H, D, D) with its columns reordered: even ones (0, 2, ...) first, then odd ones."""
-    return torch.cat((A[..., 0::2], A[..., 1::2]), dim=-1).contiguous()
-
-
-def _interleave_cols(a: torch.Tensor) -> torch.Tensor:
-    """Inverse of `_even_odd_cols`."""
-    return torch.stack(a.chunk(2, dim=-1), dim=-1).flatten(-2)
+    return CONFIG[kind]
 
 
 def validate(x: torch.Tensor, A: torch.Tensor, cos: torch.Tensor):
-    """What the kernels support: (N, H, D) x with D a power of two >= 16, A (H, D, D), cos (T, D/2) with T | N."""
+    """What the kernels support: (N, H, D) x with D a power of two in 16..256, A (2, H, D, D), cos (T, D/2)."""
     N, H, D = x.shape
     if D < 16 or D > 256 or D & (D - 1):
         raise ValueError(f"the fused RoPE + transform kernel needs a head dim that is a power of two in 16..256, "
                          f"got {D}")
-    if A.shape != (H, D, D):
-        raise ValueError(f"transform A must be (H, D, D) = ({H}, {D}, {D}), got {tuple(A.shape)}")
-    if cos.dim() != 2 or cos.shape[1] != D // 2 or N % cos.shape[0] != 0:
-        raise ValueError(f"cos/sin must be (T, D/2) with T dividing the {N} rows, got {tuple(cos.shape)}")
 
 
-def rope_transform_forward(x, A, cos, sin):
-    """(RoPE(x), RoPE(x A_h)): x (N, H, D) with a contiguous last dim, A (H, D, D) in x's dtype, cos/sin
-    (T, D/2) float32 -> two contiguous (N, H, D) tensors in x's dtype."""
-    N, H, D = x.shape
-    xr = torch.empty((N, H, D), device=x.device, dtype=x.dtype)
-    yr = torch.empty_like(xr)
+def rope_transform_forward(q, k, A, cos, sin):
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1): four contiguous (N, H, D) tensors in q's dtype. q, k (N, H, D)
+    with contiguous last dims and equal shapes, A (2, H, D, D) contiguous (any float dtype; rounded to q's dtype
+    for the products), cos/sin (T, D/2) float32 contiguous with T dividing N."""
+    N, H, D = q.shape
+    outs = [torch.empty((N, H, D), device=q.device, dtype=q.dtype) for _ in range(4)]
     if N == 0:
-        return xr, yr
-    A, cos, sin = _even_odd_cols(A), cos.contiguous(), sin.contiguous()
-    BM, warps = _launch("fwd", x.device, D)
-    _rope_transform_fwd_kernel[(triton.cdiv(N, BM), H)](
-        x, A, cos, sin, xr, yr, N, cos.shape[0], x.stride(0), x.stride(1), A.stride(0),
-        BM=BM, D=D, PREC=_prec(x.dtype), num_warps=warps)
-    return xr, yr
+        return tuple(outs)
+    BM, warps = _launch("fwd", q.device)
+    _rope_transform_fwd_kernel[(triton.cdiv(N, BM), H, 2)](
+        q, k, A, cos, sin, *outs, N, cos.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        BM=BM, D=D, PREC=_prec(q.dtype), num_warps=warps)
+    return tuple(outs)
 
 
 def _transform_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -167,20 +170,19 @@ def _transform_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     while N % S:
         S -= 1
     part = torch.einsum("snhd,snhe->shde", x.view(S, N // S, H, D), g.view(S, N // S, H, D))
-    return part.float().sum(0)
+    return part.sum(0, dtype=torch.float32)
 
 
-def rope_transform_backward(gx, gy, x, A, cos, sin):
-    """dx (N, H, D) in x's dtype and dA (H, D, D) float32 of `rope_transform_forward`, from the gradients
-    gx of RoPE(x) and gy of RoPE(x A)."""
-    N, H, D = x.shape
-    dx = torch.empty((N, H, D), device=x.device, dtype=x.dtype)
+def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
+    """dq, dk (N, H, D) in q's dtype and dA (2, H, D, D) float32 of `rope_transform_forward`, from the
+    gradients of its four outputs (contiguous)."""
+    N, H, D = q.shape
+    dq, dk = torch.empty_like(gq), torch.empty_like(gk)
     if N == 0:
-        return dx, torch.zeros((H, D, D), device=x.device, dtype=torch.float32)
-    g = torch.empty_like(dx)
-    A, cos, sin = _even_odd_cols(A), cos.contiguous(), sin.contiguous()
-    BM, warps = _launch("bwd", x.device, D)
-    _rope_transform_bwd_kernel[(triton.cdiv(N, BM), H)](
-        gx, gy, A, cos, sin, dx, g, N, cos.shape[0], gx.stride(0), gx.stride(1), gy.stride(0), gy.stride(1),
-        A.stride(0), BM=BM, D=D, PREC=_prec(x.dtype), num_warps=warps)
-    return dx, _transform_grad(x, g)
+        return dq, dk, torch.zeros((2, H, D, D), device=q.device, dtype=torch.float32)
+    g = torch.empty((2, N, H, D), device=q.device, dtype=q.dtype)
+    BM, warps = _launch("bwd", q.device)
+    _rope_transform_bwd_kernel[(triton.cdiv(N, BM), H, 2)](
+        gq, gk, gqy, gky, A, cos, sin, dq, dk, g, N, cos.shape[0], BM=BM, D=D, PREC=_prec(q.dtype),
+        num_warps=warps)
+    return dq, dk, torch.stack((_transform_grad(q, g[0]), _transform_grad(k, g[1])))
