@@ -1,7 +1,7 @@
 """The fused RoPE + LP transform op (`logo::rope_transform_fwd/bwd`) against the unfused path it replaces, one GPU.
 
     python benchmarks/rope_transform.py --out benchmarks/results/h100_rope_transform.json
-    python benchmarks/rope_transform.py --sweep      # (rows per block, warps) of both kernels
+    python benchmarks/rope_transform.py --sweep      # (rows per block, blocks per program, warps) of both
 
 Per call, for q and k of a LoGo layer (1.5B at 8k: N=8192 rows, 16 heads of 128, bf16): forward (RoPE and
 RoPE of the transform, of both) and backward (dq, dk, dA), as medians of `triton.testing.do_bench`. On the GPU
@@ -83,7 +83,7 @@ def main():
     if args.sweep:  # each kernel's (rows per block, warps), the other kernel at its default
         default = dict(_rope.CONFIG)
         for kind in ("fwd", "bwd"):
-            for cfg in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
+            for cfg in ((64, 1, 4), (64, 4, 4), (64, 8, 4), (128, 2, 8), (128, 4, 8)):
                 _rope.CONFIG.update(default)
                 _rope.CONFIG[kind] = cfg
                 for n, H, D in shapes:

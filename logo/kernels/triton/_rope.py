@@ -64,37 +64,41 @@ def _pick(which, first, second):
 
 @triton.jit
 def _rope_transform_fwd_kernel(Q, K, A, COS, SIN, QR, KR, QYR, KYR, N, T, sq_n, sq_h, sk_n, sk_h,
-                               BM: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
-    """One program per (block of BM rows, head, tensor q or k): RoPE(x) into QR | KR and RoPE(x A_t) into
-    QYR | KYR (four contiguous (N, H, D) tensors); A is (2, H, D, D)."""
+                               BM: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    """One program per (RB blocks of BM rows, head, tensor q or k): RoPE(x) into QR | KR and RoPE(x A_t) into
+    QYR | KYR (four contiguous (N, H, D) tensors); A is (2, H, D, D). A_t,h is loaded once per program and used
+    for RB row blocks (a (D, D) float32 matrix is as many bytes as 4 bf16 row blocks of 64)."""
     HALF: tl.constexpr = D // 2
     h = tl.program_id(1)
     H = tl.num_programs(1)
     t = tl.program_id(2)
     X = _pick(t, Q, K)
+    XR = _pick(t, QR, KR)
+    YR = _pick(t, QYR, KYR)
     sx_n = _pick(t, sq_n, sk_n)
     sx_h = _pick(t, sq_h, sk_h)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, D)
-    c, s = _angles(COS, SIN, rows, T, rmask, HALF)  # (BM, HALF) float32
-    x = tl.load(X + rows64[:, None] * sx_n + h * sx_h + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BM, HALF, 2)))
-    out = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
-    xr = _interleave(xe * c - xo * s, xe * s + xo * c, BM, D)
-    tl.store(_pick(t, QR, KR) + out, xr.to(QR.dtype.element_ty), mask=rmask[:, None])
     ae, ao = _transform_cols(A + (t * H + h) * D * D, D, HALF, X.dtype.element_ty)
-    ye = _dot(x, ae, PREC)  # (BM, HALF) float32: columns 0, 2, 4, ... of x A_h
-    yo = _dot(x, ao, PREC)
-    yr = _interleave(ye * c - yo * s, ye * s + yo * c, BM, D)
-    tl.store(_pick(t, QYR, KYR) + out, yr.to(QR.dtype.element_ty), mask=rmask[:, None])
+    for b in range(RB):
+        rows = (tl.program_id(0) * RB + b) * BM + tl.arange(0, BM)
+        rmask = rows < N
+        rows64 = rows.to(tl.int64)
+        c, s = _angles(COS, SIN, rows, T, rmask, HALF)  # (BM, HALF) float32
+        x = tl.load(X + rows64[:, None] * sx_n + h * sx_h + offs_d[None, :], mask=rmask[:, None], other=0.0)
+        xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BM, HALF, 2)))
+        out = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
+        xr = _interleave(xe * c - xo * s, xe * s + xo * c, BM, D)
+        tl.store(XR + out, xr.to(QR.dtype.element_ty), mask=rmask[:, None])
+        ye = _dot(x, ae, PREC)  # (BM, HALF) float32: columns 0, 2, 4, ... of x A_h
+        yo = _dot(x, ao, PREC)
+        yr = _interleave(ye * c - yo * s, ye * s + yo * c, BM, D)
+        tl.store(YR + out, yr.to(QR.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
-def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, A, COS, SIN, DQ, DK, G, N, T, BM: tl.constexpr, D: tl.constexpr,
-                               PREC: tl.constexpr):
-    """One program per (block of BM rows, head, tensor t: q or k). With gx, gy the gradients of RoPE(x),
+def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, A, COS, SIN, DQ, DK, G, N, T, BM: tl.constexpr, RB: tl.constexpr,
+                               D: tl.constexpr, PREC: tl.constexpr):
+    """One program per (RB blocks of BM rows, head, tensor t: q or k). With gx, gy the gradients of RoPE(x),
     RoPE(x A_t) (GQ | GK, GQY | GKY) and g = RoPE^T(gy) (the inverse rotation): dx = RoPE^T(gx) + g A_t,h^T into
     DQ | DK, and g into G[t]; every tensor contiguous, (N, H, D) (G: (2, N, H, D)).
     The host takes dA_h = x^T g with a batched matmul (reducing dA here as well kept two (D, D/2) float32
@@ -103,22 +107,27 @@ def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, A, COS, SIN, DQ, DK, G, N, T, B
     h = tl.program_id(1)
     H = tl.num_programs(1)
     t = tl.program_id(2)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    offs_d = tl.arange(0, D)
-    c, s = _angles(COS, SIN, rows, T, rmask, HALF)
-    offs = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
-    gxe, gxo = _pairs(_pick(t, GQ, GK) + offs, rmask[:, None], BM, HALF)
-    gye, gyo = _pairs(_pick(t, GQY, GKY) + offs, rmask[:, None], BM, HALF)
+    GX = _pick(t, GQ, GK)
+    GY = _pick(t, GQY, GKY)
+    DX = _pick(t, DQ, DK)
     dt = DQ.dtype.element_ty
-    ge = (gye * c + gyo * s).to(dt)  # y's gradient, rounded like the unfused path's
-    go = (gyo * c - gye * s).to(dt)
+    offs_d = tl.arange(0, D)
     ae, ao = _transform_cols(A + (t * H + h) * D * D, D, HALF, dt)  # (D, HALF)
-    dx = _interleave(gxe * c + gxo * s, gxo * c - gxe * s, BM, D)
-    dx += _dot(ge, tl.trans(ae), PREC) + _dot(go, tl.trans(ao), PREC)
-    tl.store(_pick(t, DQ, DK) + offs, dx.to(dt), mask=rmask[:, None])
-    tl.store(G + t * N * H * D + offs, _interleave(ge, go, BM, D), mask=rmask[:, None])
+    aet, aot = tl.trans(ae), tl.trans(ao)  # (HALF, D), once per program
+    for b in range(RB):
+        rows = (tl.program_id(0) * RB + b) * BM + tl.arange(0, BM)
+        rmask = rows < N
+        rows64 = rows.to(tl.int64)
+        c, s = _angles(COS, SIN, rows, T, rmask, HALF)
+        offs = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
+        gxe, gxo = _pairs(GX + offs, rmask[:, None], BM, HALF)
+        gye, gyo = _pairs(GY + offs, rmask[:, None], BM, HALF)
+        ge = (gye * c + gyo * s).to(dt)  # y's gradient, rounded like the unfused path's
+        go = (gyo * c - gye * s).to(dt)
+        dx = _interleave(gxe * c + gxo * s, gxo * c - gxe * s, BM, D)
+        dx += _dot(ge, aet, PREC) + _dot(go, aot, PREC)
+        tl.store(DX + offs, dx.to(dt), mask=rmask[:, None])
+        tl.store(G + t * N * H * D + offs, _interleave(ge, go, BM, D), mask=rmask[:, None])
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -128,15 +137,16 @@ def _prec(dtype: torch.dtype) -> str:
     return "up" if INTERPRET else "tf32"
 
 
-# (rows per block, warps) of each kernel on a GPU; benchmarks/rope_transform.py sweeps them.
-CONFIG = {"fwd": (64, 4), "bwd": (64, 4)}
+# (rows per block, blocks per program, warps) of each kernel on a GPU; benchmarks/rope_transform.py sweeps them.
+CONFIG = {"fwd": (64, 4, 4), "bwd": (64, 4, 4)}
 
 
-def _launch(kind: str, device: torch.device) -> tuple[int, int]:
+def _launch(kind: str, device: torch.device, N: int) -> tuple[int, int, int]:
     from logo.kernels.triton._attn import INTERPRET
     if INTERPRET or device.type != "cuda":
-        return 16, 4
-    return CONFIG[kind]
+        return 16, 2, 4
+    bm, rb, warps = CONFIG[kind]
+    return bm, rb, warps
 
 
 def validate(x: torch.Tensor, A: torch.Tensor, cos: torch.Tensor):
@@ -155,10 +165,10 @@ def rope_transform_forward(q, k, A, cos, sin):
     outs = [torch.empty((N, H, D), device=q.device, dtype=q.dtype) for _ in range(4)]
     if N == 0:
         return tuple(outs)
-    BM, warps = _launch("fwd", q.device)
-    _rope_transform_fwd_kernel[(triton.cdiv(N, BM), H, 2)](
+    BM, RB, warps = _launch("fwd", q.device, N)
+    _rope_transform_fwd_kernel[(triton.cdiv(N, BM * RB), H, 2)](
         q, k, A, cos, sin, *outs, N, cos.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        BM=BM, D=D, PREC=_prec(q.dtype), num_warps=warps)
+        BM=BM, RB=RB, D=D, PREC=_prec(q.dtype), num_warps=warps)
     return tuple(outs)
 
 
@@ -181,8 +191,8 @@ def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
     if N == 0:
         return dq, dk, torch.zeros((2, H, D, D), device=q.device, dtype=torch.float32)
     g = torch.empty((2, N, H, D), device=q.device, dtype=q.dtype)
-    BM, warps = _launch("bwd", q.device)
-    _rope_transform_bwd_kernel[(triton.cdiv(N, BM), H, 2)](
-        gq, gk, gqy, gky, A, cos, sin, dq, dk, g, N, cos.shape[0], BM=BM, D=D, PREC=_prec(q.dtype),
+    BM, RB, warps = _launch("bwd", q.device, N)
+    _rope_transform_bwd_kernel[(triton.cdiv(N, BM * RB), H, 2)](
+        gq, gk, gqy, gky, A, cos, sin, dq, dk, g, N, cos.shape[0], BM=BM, RB=RB, D=D, PREC=_prec(q.dtype),
         num_warps=warps)
     return dq, dk, torch.stack((_transform_grad(q, g[0]), _transform_grad(k, g[1])))
