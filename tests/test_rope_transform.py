@@ -3,7 +3,7 @@ pure-PyTorch reference, the reference against the model's unfused formula, opche
 fused path equal to the unfused one.
 
 Kernel vs reference (reference in float64; ||out - ref|| <= rtol ||ref|| + atol sqrt(numel)):
-- float32 inputs: rtol 2e-5 (ieee fp32 dots; summation order only; the dA partials are summed per chunk).
+- float32 inputs: rtol 2e-5 (ieee fp32 dots; summation order only).
 - bfloat16 inputs: rtol 2e-2. Both sides see the same 16-bit x and A; the kernel rounds the outputs once and the
   inverse-rotated gradient once before its products (as the unfused path's bf16 matmul does): ~4e-3 relative.
 On a machine without a GPU the kernels run under the Triton CPU interpreter (conftest.py) at small head dims.
@@ -75,6 +75,24 @@ def test_kernel_matches_reference(shape, D, dtype, head_major):
     assert got[6].dtype == torch.float32 and got[4].dtype == dtype
     for name, a, b in zip(("q_rot", "k_rot", "qg_rot", "kg_rot", "dq", "dk", "dA"), got, want):
         close(a, b, RTOL[dtype], ATOL[dtype], name)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "qkv_rows", "head_major"])
+def test_transform_grad_over_strided_views(layout):
+    """dA = x^T g per head read from x's own memory: contiguous, a slice of fused q|k|v rows (as the QKV
+    projection leaves q), or head-major."""
+    from logo.kernels.triton._rope import _transform_grad
+    N, H, D = 300, 3, 16
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(N, 3, H, D, generator=gen) if layout == "qkv_rows" else torch.randn(H, N, D, generator=gen)
+    views = {"contiguous": lambda b: b.transpose(0, 1).contiguous(), "qkv_rows": lambda b: b[:, 1],
+             "head_major": lambda b: b.transpose(0, 1)}
+    x = views[layout](base)  # (N, H, D)
+    g = torch.randn(N, H, D, generator=gen)
+    want = torch.einsum("nhd,nhe->hde", x.double(), g.double())
+    got = _transform_grad(x.to(DEVICE), g.to(DEVICE))
+    assert got.dtype == torch.float32 and got.shape == (H, D, D)
+    close(got, want, RTOL[torch.float32], ATOL[torch.float32], "dA")
 
 
 def test_reference_equals_unfused_model_path():

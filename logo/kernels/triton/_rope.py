@@ -10,7 +10,7 @@ Unfused, these are a batched matmul (read x, write y), RoPE of y (read, write) a
 memory-bound, and the backward repeats the pattern (plus a second batched matmul for dA and an add): at 1.5B/8k
 the transforms and RoPEs of both branches were ~14 ms of a 225 ms step. Here the forward reads x once and writes
 both outputs; the backward reads both incoming gradients once and writes dx and y's unrotated gradient g, from
-which one batched matmul (split over row chunks when heads are few) gives dA = x^T g.
+which one batched matmul gives dA = x^T g (see `_transform_grad`).
 
 RoPE rotates pairs (x[2i], x[2i+1]); the kernels load a row block as (BM, D/2, 2) and split it in registers, and
 multiply x by A's even and odd columns separately (two (BM, D) @ (D, D/2) dots; A is loaded whole and split the
@@ -137,16 +137,21 @@ def _prec(dtype: torch.dtype) -> str:
     return "up" if INTERPRET else "tf32"
 
 
-# (rows per block, blocks per program, warps) of each kernel on a GPU; benchmarks/rope_transform.py sweeps them.
+# (rows per block, blocks per program, warps) of each kernel on a GPU, for 2-byte inputs with D <= 128;
+# benchmarks/rope_transform.py sweeps them. Wider rows get fewer rows per block (see `_launch`).
 CONFIG = {"fwd": (64, 4, 4), "bwd": (64, 4, 4)}
+TILE_BYTES = 64 * 128 * 2  # a row block holds at most this many bytes: float32 at D=128 needs half the rows
 
 
-def _launch(kind: str, device: torch.device, N: int) -> tuple[int, int, int]:
+def _launch(kind: str, x: torch.Tensor) -> tuple[int, int, int]:
+    """(BM, RB, warps) for rows like x's. The row-block loop is software-pipelined, so shared memory grows
+    with the block's bytes: float32 blocks of 64 rows at D=128 need 232 KiB, over an H100's 227."""
     from logo.kernels.triton._attn import INTERPRET
-    if INTERPRET or device.type != "cuda":
+    if INTERPRET or x.device.type != "cuda":
         return 16, 2, 4
     bm, rb, warps = CONFIG[kind]
-    return bm, rb, warps
+    row_bytes = x.shape[-1] * x.element_size()
+    return max(16, min(bm, TILE_BYTES // row_bytes)), rb, warps
 
 
 def validate(x: torch.Tensor, A: torch.Tensor, cos: torch.Tensor):
@@ -165,7 +170,7 @@ def rope_transform_forward(q, k, A, cos, sin):
     outs = [torch.empty((N, H, D), device=q.device, dtype=q.dtype) for _ in range(4)]
     if N == 0:
         return tuple(outs)
-    BM, RB, warps = _launch("fwd", q.device, N)
+    BM, RB, warps = _launch("fwd", q)
     _rope_transform_fwd_kernel[(triton.cdiv(N, BM * RB), H, 2)](
         q, k, A, cos, sin, *outs, N, cos.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         BM=BM, RB=RB, D=D, PREC=_prec(q.dtype), num_warps=warps)
@@ -173,14 +178,11 @@ def rope_transform_forward(q, k, A, cos, sin):
 
 
 def _transform_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """dA_h = x_h^T g_h (H, D, D) float32, for x, g (N, H, D). Split over S chunks of rows (a batch of H*S
-    products, then a float32 sum): with few heads one product per head leaves most of the GPU idle."""
-    N, H, D = x.shape
-    S = max(1, min(64 // H, N // 1024))
-    while N % S:
-        S -= 1
-    part = torch.einsum("snhd,snhe->shde", x.view(S, N // S, H, D), g.view(S, N // S, H, D))
-    return part.sum(0, dtype=torch.float32)
+    """dA_h = x_h^T g_h (H, D, D) float32, for x, g (N, H, D) with contiguous last dims: one batched matmul
+    over strided views (cuBLAS takes x_h^T as a transposed operand with x's row stride; nothing is copied).
+    Splitting the rows into chunks to give a few heads more parallelism needs copies of x and g that cost more
+    than the split saves (measured at 16 heads of 128 and at 4 heads of 64, docs/benchmarks.md Session 9)."""
+    return torch.bmm(x.permute(1, 2, 0), g.permute(1, 0, 2)).float()  # (H, D, N) @ (H, N, D)
 
 
 def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
@@ -191,7 +193,7 @@ def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
     if N == 0:
         return dq, dk, torch.zeros((2, H, D, D), device=q.device, dtype=torch.float32)
     g = torch.empty((2, N, H, D), device=q.device, dtype=q.dtype)
-    BM, RB, warps = _launch("bwd", q.device, N)
+    BM, RB, warps = _launch("bwd", q)
     _rope_transform_bwd_kernel[(triton.cdiv(N, BM * RB), H, 2)](
         gq, gk, gqy, gky, A, cos, sin, dq, dk, g, N, cos.shape[0], BM=BM, RB=RB, D=D, PREC=_prec(q.dtype),
         num_warps=warps)
