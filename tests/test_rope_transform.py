@@ -92,7 +92,7 @@ def test_transform_grad_over_strided_views(layout):
     want = torch.einsum("nhd,nhe->hde", x.double(), g.double())
     got = _transform_grad(x.to(DEVICE), g.to(DEVICE))
     assert got.dtype == torch.float32 and got.shape == (H, D, D)
-    close(got, want, RTOL[torch.float32], ATOL[torch.float32], "dA")
+    close(got.cpu(), want, RTOL[torch.float32], ATOL[torch.float32], "dA")
 
 
 def test_reference_equals_unfused_model_path():

@@ -139,7 +139,7 @@ def _prec(dtype: torch.dtype) -> str:
 
 # (rows per block, blocks per program, warps) of each kernel on a GPU, for 2-byte inputs with D <= 128;
 # benchmarks/rope_transform.py sweeps them. Wider rows get fewer rows per block (see `_launch`).
-CONFIG = {"fwd": (64, 4, 4), "bwd": (64, 4, 4)}
+CONFIG = {"fwd": (64, 1, 4), "bwd": (64, 4, 4)}
 TILE_BYTES = 64 * 128 * 2  # a row block holds at most this many bytes: float32 at D=128 needs half the rows
 
 
