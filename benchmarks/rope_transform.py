@@ -5,8 +5,9 @@
 
 Per call, for q and k of a LoGo layer (1.5B at 8k: N=8192 rows, 16 heads of 128, bf16): forward (RoPE and
 RoPE of the transform, of both) and backward (dq, dk, dA), as medians of `triton.testing.do_bench`. On the GPU
-machine's slow host, times of a few tens of microseconds include launch gaps: read kernel times from a profile. The unfused baseline is the
-model's formula (batched matmul, then RoPE of both) under torch.compile, as the compiled LoGo layer runs it.
+machine's slow host, times of a few tens of microseconds include launch gaps: read kernel times from a profile.
+The unfused baseline is the model's formula (batched matmul, then RoPE of both) under torch.compile, as the
+compiled LoGo layer runs it.
 A copy ceiling (read + write one (N, H, D) tensor) puts the numbers in memory-pass units: the fused forward
 moves 6 passes (read q, k, write four), the backward kernel 8 (read four gradients, write dq, dk and the two
 unrotated gradients g), then the dA matmuls read q, k and g.

@@ -161,9 +161,8 @@ def _(q, k, A, cos, sin, use_triton):
 def rope_transform_bwd(gq: Tensor, gk: Tensor, gqy: Tensor, gky: Tensor, q: Tensor, k: Tensor, A: Tensor,
                        cos: Tensor, sin: Tensor, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk (N, H, D) in q's dtype, dA (2, H, D, D) in A's dtype."""
-    c = Tensor.contiguous
-    dq, dk, dA = _rope_impl(use_triton).rope_transform_backward(c(gq), c(gk), c(gqy), c(gky), _rows(q), _rows(k),
-                                                                c(A), c(cos), c(sin))
+    dq, dk, dA = _rope_impl(use_triton).rope_transform_backward(_c(gq), _c(gk), _c(gqy), _c(gky), _rows(q),
+                                                                _rows(k), _c(A), _c(cos), _c(sin))
     return dq, dk, dA.to(A.dtype)
 
 
@@ -202,5 +201,5 @@ def rope_transform(q: Tensor, k: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
         raise ValueError(f"cos and sin must be (T, D/2) = (T, {q.shape[2] // 2}) with T dividing the {q.shape[0]} "
                          f"rows; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if use_triton:
-        _rope_impl(True).validate(q, A, cos)
+        _rope_impl(True).validate(q)
     return rope_transform_fwd(q, k, A, cos, sin, use_triton)

@@ -258,11 +258,9 @@ def rope_transform_forward(q, k, A, cos, sin):
 
 
 def _unrope_rows(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The inverse rotation (the transpose of `_rope_rows`): the gradient of x from the gradient of RoPE(x)."""
-    gf = g.unflatten(0, (-1, cos.shape[0])).unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
-    c, s = cos[:, None, :].to(gf.dtype), sin[:, None, :].to(gf.dtype)
-    g0, g1 = gf[..., 0], gf[..., 1]
-    return torch.stack((g0 * c + g1 * s, g1 * c - g0 * s), dim=-1).flatten(-2).flatten(0, 1)
+    """The inverse rotation (the transpose of `_rope_rows`, by the negated angles): the gradient of x from the
+    gradient of RoPE(x)."""
+    return _rope_rows(g, cos, -sin)
 
 
 def _rope_transform_grad_one(gx, gy, x, A, cos, sin):

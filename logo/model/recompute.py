@@ -4,8 +4,8 @@ Between the shared pre-RoPE q, k, v and the two attention ops lie only cheap map
 and RoPE), yet autograd would keep every one of their outputs for the backward: the rotated local q, k and the
 global q, k, v, five (N, H, D) tensors per layer. Under `recompute_all_but_attention` the backward recomputes
 them from q, k, v (kept anyway) and keeps only what the attention ops return. Same values and gradients
-(the recomputation repeats the forward's arithmetic, the fused RoPE + transform op included); in eager mode and under `torch.compile` (which reads
-the same policy).
+(the recomputation repeats the forward's arithmetic, the fused RoPE + transform op included); in eager mode
+and under `torch.compile` (which reads the same policy).
 """
 from __future__ import annotations
 

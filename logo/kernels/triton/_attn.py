@@ -88,10 +88,10 @@ def _steps(cu: torch.Tensor) -> tuple[int, int]:
     return nseq, max(nseq - 1, 0).bit_length()
 
 
-def _check_dims(q):
+def _check_dims(q, what: str = "Triton attention"):
     D = q.shape[-1]
     if D < 16 or D > 256 or (D & (D - 1)) != 0:
-        raise ValueError(f"Triton attention supports head dims 16..256 that are powers of two, got {D}")
+        raise ValueError(f"{what} supports head dims 16..256 that are powers of two, got {D}")
 
 
 # Bytes of the tensors a group of heads re-reads (keys and values in the forward and dQ, queries and dO in the

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from logo.kernels.triton._attn import INTERPRET, _check_dims, _prec
 from logo.kernels.triton._kernels import _dot
 
 
@@ -130,13 +131,6 @@ def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, A, COS, SIN, DQ, DK, G, N, T, B
         tl.store(G + t * N * H * D + offs, _interleave(ge, go, BM, D), mask=rmask[:, None])
 
 
-def _prec(dtype: torch.dtype) -> str:
-    from logo.kernels.triton._attn import INTERPRET
-    if dtype == torch.float32:
-        return "ieee"
-    return "up" if INTERPRET else "tf32"
-
-
 # (rows per block, blocks per program, warps) of each kernel on a GPU, for 2-byte inputs with D <= 128;
 # benchmarks/rope_transform.py sweeps them. Wider rows get fewer rows per block (see `_launch`).
 CONFIG = {"fwd": (64, 1, 4), "bwd": (64, 4, 4)}
@@ -146,7 +140,6 @@ TILE_BYTES = 64 * 128 * 2  # a row block holds at most this many bytes: float32 
 def _launch(kind: str, x: torch.Tensor) -> tuple[int, int, int]:
     """(BM, RB, warps) for rows like x's. The row-block loop is software-pipelined, so shared memory grows
     with the block's bytes: float32 blocks of 64 rows at D=128 need 232 KiB, over an H100's 227."""
-    from logo.kernels.triton._attn import INTERPRET
     if INTERPRET or x.device.type != "cuda":
         return 16, 2, 4
     bm, rb, warps = CONFIG[kind]
@@ -154,12 +147,9 @@ def _launch(kind: str, x: torch.Tensor) -> tuple[int, int, int]:
     return max(16, min(bm, TILE_BYTES // row_bytes)), rb, warps
 
 
-def validate(x: torch.Tensor, A: torch.Tensor, cos: torch.Tensor):
-    """What the kernels support: (N, H, D) x with D a power of two in 16..256, A (2, H, D, D), cos (T, D/2)."""
-    N, H, D = x.shape
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"the fused RoPE + transform kernel needs a head dim that is a power of two in 16..256, "
-                         f"got {D}")
+def validate(x: torch.Tensor):
+    """What the kernels support beyond the op's shape contract: a head dim that is a power of two in 16..256."""
+    _check_dims(x, "the fused RoPE + transform kernel")
 
 
 def rope_transform_forward(q, k, A, cos, sin):
