@@ -68,6 +68,9 @@ class AttentionConfig:
     # LP transforms on the Triton backend: RoPE of q, k and of their global transforms in one kernel per tensor
     # (logo/kernels/triton/_rope.py); false runs the unfused batched matmuls and RoPEs (same math, rounded twice).
     fuse_rope: bool = True
+    # ContextNorm on the Triton backend: both head-wise RMSNorms and the fusion in one kernel each way
+    # (logo/kernels/triton/_fuse.py); false runs the PyTorch expression (same math and roundings).
+    fuse_context_norm: bool = True
     backend: str = "auto"  # attention ops: auto (triton on CUDA, reference on CPU) | reference | triton
 
     def validate(self, n_layers: Optional[int] = None, n_heads: Optional[int] = None) -> "AttentionConfig":

@@ -1,6 +1,7 @@
 """Shared fixtures for the training and config tests (small, fast settings on the embedded corpus)."""
 import contextlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -118,6 +119,15 @@ def logged(run_dir, step) -> bool:
     """metrics.jsonl holds a training row of step `step` or later."""
     m = Path(run_dir) / "metrics.jsonl"
     return m.exists() and any(r.get("step", 0) >= step for r in read_metrics(run_dir) if "loss" in r)
+
+
+def close_in_norm(out, want, rtol, atol, what):
+    """Kernel vs reference, in float64: no non-finite values and ||out - want|| <= rtol ||want|| + atol sqrt(n)."""
+    out, want = out.double(), want.double()
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    err = (out - want).norm().item()
+    bound = rtol * want.norm().item() + atol * math.sqrt(want.numel())
+    assert err <= bound, f"{what}: ||diff|| {err:.3e} > {bound:.3e} (||ref|| {want.norm().item():.3e})"
 
 
 @contextlib.contextmanager

@@ -8,8 +8,6 @@ Kernel vs reference (reference in float64; ||out - ref|| <= rtol ||ref|| + atol 
   inverse-rotated gradient once before its products (as the unfused path's bf16 matmul does): ~4e-3 relative.
 On a machine without a GPU the kernels run under the Triton CPU interpreter (conftest.py) at small head dims.
 """
-import math
-
 import pytest
 import torch
 
@@ -19,21 +17,13 @@ from logo.kernels import reference as R
 from logo.model.layers import PackedSeqs, apply_rope, rope_cos_sin
 from logo.model.logo_attention import LoGoAttention
 
-from conftest import kept_for_backward
+from conftest import close_in_norm as close, kept_for_backward
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 HEAD_DIMS = (64, 128) if CUDA else (16, 32)
 RTOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
-
-
-def close(out, want, rtol, atol, what):
-    out, want = out.double(), want.double()
-    assert torch.isfinite(out).all(), f"{what}: non-finite values"
-    err = (out - want).norm().item()
-    bound = rtol * want.norm().item() + atol * math.sqrt(want.numel())
-    assert err <= bound, f"{what}: ||diff|| {err:.3e} > {bound:.3e} (||ref|| {want.norm().item():.3e})"
 
 
 def problem(B, T, H, D, dtype, seed=0, head_major=False):

@@ -111,3 +111,21 @@ def rope_transform(q, k, A, cos, sin, backend: str = "auto"):
 # The ops without any override (what an override calls after its own work).
 local_ops = types.SimpleNamespace(query_sparse_attention=_query_sparse, sliding_window_attention=_sliding_window,
                                   causal_attention=_causal)
+
+
+def fuses_context_norm(o, weights, backend: str = "auto") -> bool:
+    """Whether `context_fuse` runs the fused Triton kernels for branch outputs o (N, H, D): the Triton backend,
+    16/32-bit o, plain-tensor norm weights (DTensors under tensor parallelism are not) and a head dim that is a
+    power of two in 16..256."""
+    D = o.shape[-1]
+    if not _use_triton(o, backend) or o.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if any(type(w.data) is not torch.Tensor for w in weights):
+        return False
+    return 16 <= D <= 256 and not D & (D - 1)
+
+
+def context_fuse(o_local, o_global, p, z, w_local, w_global, eps: float, weighted: bool, backend: str = "auto"):
+    """Both ContextNorms and the fusion in one pass (logo::context_fuse_fwd); see `fuses_context_norm`."""
+    return ops.context_fuse(o_local, o_global, p, z, w_local, w_global, eps, weighted,
+                            use_triton=_use_triton(o_local, backend))

@@ -203,3 +203,73 @@ def rope_transform(q: Tensor, k: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
     if use_triton:
         _rope_impl(True).validate(q)
     return rope_transform_fwd(q, k, A, cos, sin, use_triton)
+
+
+def _fuse_impl(use_triton: bool):
+    if use_triton:
+        from logo.kernels.triton import _fuse
+        return _fuse
+    return reference
+
+
+@torch.library.custom_op("logo::context_fuse_fwd", mutates_args=())
+def context_fuse_fwd(o_local: Tensor, o_global: Tensor, p: Tensor, z: Tensor, w_local: Tensor, w_global: Tensor,
+                     eps: float, weighted: bool, use_triton: bool) -> Tensor:
+    """Both ContextNorms and the fusion: o (N, H, D) contiguous in o_local's dtype."""
+    return _fuse_impl(use_triton).context_fuse_forward(o_local.contiguous(), o_global.contiguous(), p.contiguous(),
+                                                       z.contiguous(), w_local.contiguous(), w_global.contiguous(),
+                                                       eps, weighted)
+
+
+@context_fuse_fwd.register_fake
+def _(o_local, o_global, p, z, w_local, w_global, eps, weighted, use_triton):
+    return torch.empty_like(o_local, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("logo::context_fuse_bwd", mutates_args=())
+def context_fuse_bwd(grad: Tensor, o_local: Tensor, o_global: Tensor, p: Tensor, z: Tensor, w_local: Tensor,
+                     w_global: Tensor, eps: float, weighted: bool,
+                     use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients in o_local, o_global (their dtype), p (its dtype), w_local, w_global (their dtype)."""
+    d_l, d_g, dp, dw_l, dw_g = _fuse_impl(use_triton).context_fuse_backward(
+        grad.contiguous(), o_local.contiguous(), o_global.contiguous(), p.contiguous(), z.contiguous(),
+        w_local.contiguous(), w_global.contiguous(), eps, weighted)
+    return d_l, d_g, dp, dw_l.to(w_local.dtype), dw_g.to(w_global.dtype)
+
+
+@context_fuse_bwd.register_fake
+def _(grad, o_local, o_global, p, z, w_local, w_global, eps, weighted, use_triton):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (o_local, o_global, p, w_local, w_global))
+
+
+def _fuse_setup_context(ctx, inputs, output):
+    o_local, o_global, p, z, w_local, w_global, eps, weighted, use_triton = inputs
+    ctx.save_for_backward(o_local, o_global, p, z, w_local, w_global)
+    ctx.cfg = (eps, weighted, use_triton)
+
+
+def _fuse_backward(ctx, grad):
+    o_local, o_global, p, z, w_local, w_global = ctx.saved_tensors
+    d_l, d_g, dp, dw_l, dw_g = context_fuse_bwd(grad, o_local, o_global, p, z, w_local, w_global, *ctx.cfg)
+    return d_l, d_g, dp, None, dw_l, dw_g, None, None, None
+
+
+context_fuse_fwd.register_autograd(_fuse_backward, setup_context=_fuse_setup_context)
+
+
+def context_fuse(o_local: Tensor, o_global: Tensor, p: Tensor, z: Tensor, w_local: Tensor, w_global: Tensor,
+                 eps: float, weighted: bool = True, use_triton: bool = False) -> Tensor:
+    """Norm^L(O^L) at unselected rows, (1 - p) Norm^L(O^L) + p Norm^G(O^G) at selected ones (additive: without
+    the 1 - p) in one pass: o_local, o_global (N, H, D), p (N,) float, z (N,) bool, w_* (H, D) the head-wise
+    RMSNorm weights. Differentiable in o_local, o_global, p and both weights."""
+    N, H, D = o_local.shape if o_local.dim() == 3 else (None, None, None)
+    if o_local.dim() != 3 or o_global.shape != o_local.shape or p.shape != (N,) or z.shape != (N,):
+        raise ValueError(f"o_local and o_global must be (N, H, D), p and z (N,); got {tuple(o_local.shape)}, "
+                         f"{tuple(o_global.shape)}, {tuple(p.shape)} and {tuple(z.shape)}")
+    if w_local.shape != (H, D) or w_global.shape != (H, D) or z.dtype != torch.bool:
+        raise ValueError(f"the norm weights must be (H, D) = ({H}, {D}) and z bool; got {tuple(w_local.shape)}, "
+                         f"{tuple(w_global.shape)} and {z.dtype}")
+    if use_triton:
+        _fuse_impl(True).validate(o_local)
+    return context_fuse_fwd(o_local, o_global, p, z, w_local, w_global, float(eps), bool(weighted), use_triton)

@@ -278,3 +278,51 @@ def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
     dq, dAq = _rope_transform_grad_one(gq, gqy, q, A[0], cos, sin)
     dk, dAk = _rope_transform_grad_one(gk, gky, k, A[1], cos, sin)
     return dq.contiguous(), dk.contiguous(), torch.stack((dAq, dAk))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The LoGo layer's ContextNorms and fusion (logo::context_fuse_*)
+# ----------------------------------------------------------------------------------------------------------
+def _head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head's D channels, x (N, H, D), weight (H, D); computed in at least fp32, rounded to x's
+    dtype (as `logo.model.layers.RMSNorm`)."""
+    xf = x.to(_cdt(x))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * w.to(xf.dtype)).to(x.dtype)
+
+
+def context_fuse_forward(o_local, o_global, p, z, w_local, w_global, eps: float, weighted: bool):
+    """o (N, H, D) in o_local's dtype: Norm^L(O^L) at unselected rows; at selected rows (z)
+    (1 - p) Norm^L(O^L) + p Norm^G(O^G) (weighted) or Norm^L(O^L) + p Norm^G(O^G) (additive), summed in at least
+    fp32 and rounded once. o_local, o_global (N, H, D); p (N,) float; z (N,) bool; w_* (H, D); eps of both norms."""
+    n_l, n_g = _head_rms_norm(o_local, w_local, eps), _head_rms_norm(o_global, w_global, eps)
+    cdt = _cdt(o_local)
+    p_ = p[:, None, None].to(cdt)  # (N, 1, 1)
+    fused = ((1.0 - p_) * n_l.to(cdt) if weighted else n_l.to(cdt)) + p_ * n_g.to(cdt)
+    return torch.where(z[:, None, None], fused.to(o_local.dtype), n_l)
+
+
+def _head_rms_norm_backward(gy, x, w, eps: float):
+    """dx (x's dtype) and dw (at least fp32) of `_head_rms_norm` for the gradient gy of its output."""
+    cdt = _cdt(x)
+    xf, gy = x.to(cdt), gy.to(cdt)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (N, H, 1)
+    u = gy * w.to(cdt)
+    dx = r * u - xf * r.pow(3) * (u * xf).mean(-1, keepdim=True)
+    return dx.to(x.dtype), (gy * xf * r).sum(0)
+
+
+def context_fuse_backward(grad, o_local, o_global, p, z, w_local, w_global, eps: float, weighted: bool):
+    """Gradients of `context_fuse_forward`: in o_local, o_global (their dtype), p (its dtype), w_local, w_global
+    (at least fp32). The gradient entering each norm is rounded to the branch dtype, as autograd's casts round it
+    (explicit formulas: a custom op runs below autograd)."""
+    dt, cdt = o_local.dtype, _cdt(o_local)
+    n_l, n_g = _head_rms_norm(o_local, w_local, eps).to(cdt), _head_rms_norm(o_global, w_global, eps).to(cdt)
+    go, p_, sel = grad.to(cdt), p[:, None, None].to(cdt), z[:, None, None]
+    a = (1.0 - p_) if weighted else torch.ones_like(p_)
+    g_local = torch.where(sel, (a * go).to(dt), grad.to(dt))  # unselected rows: the output is Norm^L itself
+    g_global = torch.where(sel, (p_ * go).to(dt), torch.zeros_like(grad, dtype=dt))
+    dp = torch.where(sel, go * ((n_g - n_l) if weighted else n_g), 0.0).sum((1, 2)).to(p.dtype)
+    d_local, dw_local = _head_rms_norm_backward(g_local, o_local, w_local, eps)
+    d_global, dw_global = _head_rms_norm_backward(g_global, o_global, w_global, eps)
+    return d_local, d_global, dp, dw_local, dw_global

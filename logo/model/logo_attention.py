@@ -184,8 +184,14 @@ class LoGoAttention(QKVAttention):
         return q, k, qg, kg, vg
 
     def fuse(self, o_local, o_global, p, z):
-        """Both ContextNorms and the fusion in one elementwise expression (compile fuses it into one kernel):
-        o_local, o_global (N, H, D), p (N,), z (N,) -> o (N, H, D); unselected rows are exactly Norm^L(O^L)."""
+        """Both ContextNorms and the fusion: o_local, o_global (N, H, D), p (N,), z (N,) -> o (N, H, D); unselected
+        rows are exactly Norm^L(O^L). With attention.fuse_context_norm on the Triton backend, one kernel each way
+        (`logo::context_fuse_fwd`); otherwise one elementwise expression (compile fuses its forward)."""
+        a = self.attn_cfg
+        if isinstance(self.norm_local, RMSNorm) and a.fuse_context_norm and dispatch.fuses_context_norm(
+                o_local, (self.norm_local.weight, self.norm_global.weight), a.backend):
+            return dispatch.context_fuse(o_local, o_global, p, z, self.norm_local.weight, self.norm_global.weight,
+                                         self.norm_local.eps, a.fusion == "weighted", a.backend)
         o_local = self.norm_local(o_local)
         p_ = p[:, None, None]  # (N, 1, 1): the gate's only path into the output, through selected rows
         o_l, o_g = upcast(o_local), upcast(self.norm_global(o_global))
