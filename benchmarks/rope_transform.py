@@ -14,23 +14,19 @@ unrotated gradients g), then the dA matmuls read q, k and g.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _op_bench import bench, main  # noqa: E402
 from logo.kernels import ops  # noqa: E402
 from logo.kernels.triton import _rope  # noqa: E402
 from logo.model.layers import apply_rope, rope_cos_sin  # noqa: E402
-
-
-def bench(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def problem(n, H, D, dtype=torch.bfloat16):
@@ -70,34 +66,6 @@ def measure(n, H, D, rows, label=""):
     print(json.dumps(row), flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--shapes", default="8192x16x128,32768x4x64",
-                    help="comma list of NxHxD (1.5B at 8k; the small shape's 32 x 1024 rows)")
-    args = ap.parse_args()
-    rows: list[dict] = []
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    for n, H, D in shapes:
-        measure(n, H, D, rows)
-    if args.sweep:  # each kernel's (rows per block, warps), the other kernel at its default
-        default = dict(_rope.CONFIG)
-        for kind in ("fwd", "bwd"):
-            for cfg in ((64, 1, 4), (64, 4, 4), (64, 8, 4), (128, 2, 8), (128, 4, 8)):
-                _rope.CONFIG.update(default)
-                _rope.CONFIG[kind] = cfg
-                for n, H, D in shapes:
-                    try:
-                        measure(n, H, D, rows, label=f"{kind}{cfg}")
-                    except Exception as e:  # noqa: BLE001 (a config out of registers or shared memory)
-                        rows.append(dict(name=f"rope_transform {kind}{cfg}", N=n, H=H, D=D, error=str(e)[:200]))
-                        print(rows[-1], flush=True)
-        _rope.CONFIG.update(default)
-    if args.out:
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, "rope_transform", measure, _rope.CONFIG,
+         ((64, 1, 4), (64, 4, 4), (64, 8, 4), (128, 2, 8), (128, 4, 8)))
