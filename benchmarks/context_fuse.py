@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from logo.config import AttentionConfig, ModelConfig  # noqa: E402
 from _op_bench import bench, main  # noqa: E402
+from logo.config import AttentionConfig, ModelConfig  # noqa: E402
 from logo.kernels import ops  # noqa: E402
 from logo.kernels.triton import _fuse  # noqa: E402
 from logo.model.logo_attention import LoGoAttention  # noqa: E402

@@ -96,10 +96,19 @@ def fuses_rope_transform(x, A, backend: str = "auto") -> bool:
     """Whether `rope_transform` runs the fused Triton kernel for x (N, H, D) and A: the Triton backend, a plain
     tensor A (a DTensor under tensor parallelism is not), and a head dim the kernel's dots take on a GPU
     (32..256; 16 under the CPU interpreter). The model keeps its unfused path otherwise."""
-    D = x.shape[-1]
-    if not _use_triton(x, backend) or type(A.data) is not torch.Tensor or D & (D - 1) or D > 256:
-        return False
-    return D >= (32 if x.is_cuda else 16)
+    return _use_triton(x, backend) and _plain(A) and _kernel_head_dim(x.shape[-1], 32 if x.is_cuda else 16)
+
+
+def _plain(*tensors) -> bool:
+    """Plain tensors (a parameter's DTensor under tensor parallelism is not: the fused kernels take only local
+    memory)."""
+    return all(type(t.data) is torch.Tensor for t in tensors)
+
+
+def _kernel_head_dim(D: int, lowest: int = 16) -> bool:
+    """A head dim the fused Triton kernels take: a power of two in lowest..256 (`_check_dims` raises for the rest;
+    dispatch must not raise, so the model falls back to its PyTorch path instead)."""
+    return lowest <= D <= 256 and not D & (D - 1)
 
 
 def rope_transform(q, k, A, cos, sin, backend: str = "auto"):
@@ -117,12 +126,8 @@ def fuses_context_norm(o, weights, backend: str = "auto") -> bool:
     """Whether `context_fuse` runs the fused Triton kernels for branch outputs o (N, H, D): the Triton backend,
     16/32-bit o, plain-tensor norm weights (DTensors under tensor parallelism are not) and a head dim that is a
     power of two in 16..256."""
-    D = o.shape[-1]
-    if not _use_triton(o, backend) or o.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if any(type(w.data) is not torch.Tensor for w in weights):
-        return False
-    return 16 <= D <= 256 and not D & (D - 1)
+    return (_use_triton(o, backend) and o.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and _plain(*weights) and _kernel_head_dim(o.shape[-1]))
 
 
 def context_fuse(o_local, o_global, p, z, w_local, w_global, eps: float, weighted: bool, backend: str = "auto"):

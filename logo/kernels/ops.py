@@ -263,10 +263,11 @@ def context_fuse(o_local: Tensor, o_global: Tensor, p: Tensor, z: Tensor, w_loca
     """Norm^L(O^L) at unselected rows, (1 - p) Norm^L(O^L) + p Norm^G(O^G) at selected ones (additive: without
     the 1 - p) in one pass: o_local, o_global (N, H, D), p (N,) float, z (N,) bool, w_* (H, D) the head-wise
     RMSNorm weights. Differentiable in o_local, o_global, p and both weights."""
-    N, H, D = o_local.shape if o_local.dim() == 3 else (None, None, None)
-    if o_local.dim() != 3 or o_global.shape != o_local.shape or p.shape != (N,) or z.shape != (N,):
+    rows = o_local.shape[:1]
+    if o_local.dim() != 3 or o_global.shape != o_local.shape or p.shape != rows or z.shape != rows:
         raise ValueError(f"o_local and o_global must be (N, H, D), p and z (N,); got {tuple(o_local.shape)}, "
                          f"{tuple(o_global.shape)}, {tuple(p.shape)} and {tuple(z.shape)}")
+    N, H, D = o_local.shape
     if w_local.shape != (H, D) or w_global.shape != (H, D) or z.dtype != torch.bool:
         raise ValueError(f"the norm weights must be (H, D) = ({H}, {D}) and z bool; got {tuple(w_local.shape)}, "
                          f"{tuple(w_global.shape)} and {z.dtype}")

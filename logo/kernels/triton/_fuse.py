@@ -21,12 +21,27 @@ from logo.kernels.triton._attn import INTERPRET, _check_dims
 
 
 @triton.jit
-def _norm_rows(X, W, offs, rmask, h, eps, D: tl.constexpr):
-    """x (BM, D) float32, its rsqrt(mean(x^2) + eps) (BM,) and the head's weight (D,) float32."""
+def _rows_of(P, Z, N, BM: tl.constexpr, D: tl.constexpr, WEIGHTED: tl.constexpr):
+    """The program's (BM rows, head): rows, their mask, the offsets of the head's (BM, D) tile in an (N, H, D)
+    tensor, and per row p, z and the local branch's weight a = 1 - p (weighted) or 1 (additive), (BM, 1) each."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < N
+    offs = rows.to(tl.int64)[:, None] * (tl.num_programs(1) * D) + h * D + tl.arange(0, D)[None, :]
+    p = tl.load(P + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    z = (tl.load(Z + rows, mask=rmask, other=0) != 0)[:, None]
+    a = 1.0 - p if WEIGHTED else tl.full((BM, 1), 1.0, tl.float32)
+    return h, rows, rmask, offs, p, z, a
+
+
+@triton.jit
+def _norm_rows(X, W, offs, rmask, h, eps, D: tl.constexpr, dt: tl.constexpr):
+    """x (BM, D) float32, its rsqrt(mean(x^2) + eps) (BM,), the head's weight (D,) float32 and the norm's output
+    (x r) w rounded to dt, back in float32."""
     x = tl.load(X + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, 1) / D + eps)
     w = tl.load(W + h * D + tl.arange(0, D)).to(tl.float32)
-    return x, r, w
+    return x, r, w, ((x * r[:, None]) * w[None, :]).to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -34,18 +49,9 @@ def _context_fuse_fwd_kernel(OL, OG, P, Z, WL, WG, OUT, N, eps, BM: tl.constexpr
                              WEIGHTED: tl.constexpr):
     """One program per (BM rows, head): OUT = where(z, a Norm^L(O^L) + p Norm^G(O^G), Norm^L(O^L))."""
     dt = OUT.dtype.element_ty
-    h = tl.program_id(1)
-    H = tl.num_programs(1)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    rmask = rows < N
-    p = tl.load(P + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]  # (BM, 1)
-    z = (tl.load(Z + rows, mask=rmask, other=0) != 0)[:, None]
-    a = 1.0 - p if WEIGHTED else tl.full((BM, 1), 1.0, tl.float32)
-    offs = rows.to(tl.int64)[:, None] * (H * D) + h * D + tl.arange(0, D)[None, :]
-    xl, rl, wl = _norm_rows(OL, WL, offs, rmask, h, eps, D)
-    xg, rg, wg = _norm_rows(OG, WG, offs, rmask, h, eps, D)
-    nl = ((xl * rl[:, None]) * wl[None, :]).to(dt).to(tl.float32)
-    ng = ((xg * rg[:, None]) * wg[None, :]).to(dt).to(tl.float32)
+    h, rows, rmask, offs, p, z, a = _rows_of(P, Z, N, BM, D, WEIGHTED)
+    _, _, _, nl = _norm_rows(OL, WL, offs, rmask, h, eps, D, dt)
+    _, _, _, ng = _norm_rows(OG, WG, offs, rmask, h, eps, D, dt)
     tl.store(OUT + offs, tl.where(z, a * nl + p * ng, nl).to(dt), mask=rmask[:, None])
 
 
@@ -63,21 +69,10 @@ def _context_fuse_bwd_kernel(GO, OL, OG, P, Z, WL, WG, DOL, DOG, DP, DWL, DWG, N
     """One program per (BM rows, head): DOL, DOG (N, H, D), this head's share of the gate gradient DP[h] (H, N)
     and the block's weight-gradient partial sums DWL[pid, h], DWG[pid, h] (NB, H, D), all float32 partials."""
     dt = DOL.dtype.element_ty
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    H = tl.num_programs(1)
-    rows = pid * BM + tl.arange(0, BM)
-    rmask = rows < N
-    p = tl.load(P + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]  # (BM, 1)
-    z = (tl.load(Z + rows, mask=rmask, other=0) != 0)[:, None]
-    a = 1.0 - p if WEIGHTED else tl.full((BM, 1), 1.0, tl.float32)
-    offs_d = tl.arange(0, D)
-    offs = rows.to(tl.int64)[:, None] * (H * D) + h * D + offs_d[None, :]
+    h, rows, rmask, offs, p, z, a = _rows_of(P, Z, N, BM, D, WEIGHTED)
     go = tl.load(GO + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
-    xl, rl, wl = _norm_rows(OL, WL, offs, rmask, h, eps, D)
-    xg, rg, wg = _norm_rows(OG, WG, offs, rmask, h, eps, D)
-    nl = ((xl * rl[:, None]) * wl[None, :]).to(dt).to(tl.float32)
-    ng = ((xg * rg[:, None]) * wg[None, :]).to(dt).to(tl.float32)
+    xl, rl, wl, nl = _norm_rows(OL, WL, offs, rmask, h, eps, D, dt)
+    xg, rg, wg, ng = _norm_rows(OG, WG, offs, rmask, h, eps, D, dt)
     dn = ng - nl if WEIGHTED else ng  # d(fused)/dp
     tl.store(DP + h * N + rows, tl.sum(tl.where(z, go * dn, 0.0), 1), mask=rmask)
     gl = tl.where(z, (a * go).to(dt).to(tl.float32), go)  # gradient of Norm^L's output, as autograd rounds it
@@ -86,8 +81,9 @@ def _context_fuse_bwd_kernel(GO, OL, OG, P, Z, WL, WG, DOL, DOG, DP, DWL, DWG, N
     dxg, dwg = _norm_backward(gg, xg, rg, wg, D)
     tl.store(DOL + offs, dxl.to(dt), mask=rmask[:, None])
     tl.store(DOG + offs, dxg.to(dt), mask=rmask[:, None])
-    tl.store(DWL + (pid * H + h) * D + offs_d, dwl)
-    tl.store(DWG + (pid * H + h) * D + offs_d, dwg)
+    part = (tl.program_id(0) * tl.num_programs(1) + h) * D + tl.arange(0, D)  # this block's (pid, h) row
+    tl.store(DWL + part, dwl)
+    tl.store(DWG + part, dwg)
 
 
 # Rows per program and warps on a GPU (one head per program).
