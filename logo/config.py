@@ -60,7 +60,8 @@ class AttentionConfig:
     # rotated local q, k and the transformed, rotated global q, k, v; logo/model/recompute.py): compiled | always |
     # never. On one H100 at 1.5B/8k it saved 3.8 GiB for +2.5% step time compiled, 4.2 GiB for +13% eager
     # (docs/benchmarks.md); "compiled" (default) recomputes only inside torch.compile (train.compile, or the
-    # compiled glue of eager CUDA training below).
+    # compiled glue of eager CUDA training below). Never under activation checkpointing, which recomputes the
+    # whole block anyway (LoGoAttention.block_recomputed).
     recompute_branch_inputs: str = "compiled"
     # Eager CUDA training: run the LoGo layer's glue (gate, routing, transforms, RoPE, norms, fusion) around the
     # attention kernels as one torch.compile region shared by all layers (logo_attention.py `compile_glue`).

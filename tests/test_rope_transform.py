@@ -68,20 +68,22 @@ def test_kernel_matches_reference(shape, D, dtype, head_major):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "qkv_rows", "head_major"])
-def test_transform_grad_over_strided_views(layout):
-    """dA = x^T g per head read from x's own memory: contiguous, a slice of fused q|k|v rows (as the QKV
-    projection leaves q), or head-major."""
-    from logo.kernels.triton._rope import _transform_grad
-    N, H, D = 300, 3, 16
+@pytest.mark.parametrize("N", [1, 300, 2100], ids=["one_row", "few_chunks", "many_chunks"])
+def test_transform_grads_over_strided_views(layout, N):
+    """dA_t = x_t^T g_t per head, split over row chunks, read from x's own memory: contiguous, a slice of fused
+    q|k|v rows (as the QKV projection leaves q), or head-major; q and k in different layouts."""
+    from logo.kernels.triton._rope import _transform_grads
+    H, D = 3, 16
     gen = torch.Generator().manual_seed(3)
-    base = torch.randn(N, 3, H, D, generator=gen) if layout == "qkv_rows" else torch.randn(H, N, D, generator=gen)
     views = {"contiguous": lambda b: b.transpose(0, 1).contiguous(), "qkv_rows": lambda b: b[:, 1],
              "head_major": lambda b: b.transpose(0, 1)}
-    x = views[layout](base)  # (N, H, D)
-    g = torch.randn(N, H, D, generator=gen)
-    want = torch.einsum("nhd,nhe->hde", x.double(), g.double())
-    got = _transform_grad(x.to(DEVICE), g.to(DEVICE))
-    assert got.dtype == torch.float32 and got.shape == (H, D, D)
+    base = torch.randn(N, 3, H, D, generator=gen) if layout == "qkv_rows" else torch.randn(H, N, D, generator=gen)
+    q = views[layout](base)  # (N, H, D)
+    k = torch.randn(N, H, D, generator=gen)
+    g = torch.randn(2, N, H, D, generator=gen)
+    want = torch.stack([torch.einsum("nhd,nhe->hde", x.double(), gt.double()) for x, gt in zip((q, k), g)])
+    got = _transform_grads(q.to(DEVICE), k.to(DEVICE), g.to(DEVICE))
+    assert got.dtype == torch.float32 and got.shape == (2, H, D, D)
     close(got.cpu(), want, RTOL[torch.float32], ATOL[torch.float32], "dA")
 
 

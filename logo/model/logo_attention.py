@@ -94,6 +94,10 @@ class LoGoAttention(QKVAttention):
         self.norm_global = RMSNorm((H, D), eps=cfg.norm_eps) if a.context_norm else nn.Identity()
         # Budget threshold b (fp32, checkpointed); updated once per optimizer step by BudgetController.
         self.register_buffer("threshold", torch.full((1,), 0.5, dtype=torch.float32))
+        # True when the whole block is recomputed in the backward (activation checkpointing): its rerun forward
+        # then lives only for that block's backward, and recomputing the branch inputs once more inside it
+        # would only repeat the transforms and RoPE (see `recompute_branch_inputs`).
+        self.block_recomputed = False
 
     def init_weights(self, std: float, out_std: float):
         super().init_weights(std, out_std)
@@ -152,9 +156,12 @@ class LoGoAttention(QKVAttention):
         return self.fuse(o_local, o_global, p, z), p, z
 
     def recompute_branch_inputs(self) -> bool:
-        """attention.recompute_branch_inputs: always, never, or (compiled) only while torch.compile traces."""
+        """attention.recompute_branch_inputs: always, never, or (compiled) only while torch.compile traces; never
+        when the whole block is already recomputed (`block_recomputed`)."""
         mode = self.attn_cfg.recompute_branch_inputs
-        return torch.is_grad_enabled() and (mode == "always" or (mode == "compiled" and torch.compiler.is_compiling()))
+        if not torch.is_grad_enabled() or self.block_recomputed:
+            return False
+        return mode == "always" or (mode == "compiled" and torch.compiler.is_compiling())
 
     def attend(self, x, q, k, v, cos, sin, seqs: PackedSeqs, sel: Selection):
         """Both branches' attention from the rows' inputs x (N, d) and pre-RoPE q, k, v (N, H, D):

@@ -93,6 +93,9 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
         from torchtitan.config.job_config import ActivationCheckpoint
         from torchtitan.distributed.activation_checkpoint import apply_ac
         apply_ac(model, ActivationCheckpoint(mode="full"))
+        for block in model.layers.values():  # the block's rerun forward replaces the layer's own recomputation
+            if hasattr(block.attention, "block_recomputed"):
+                block.attention.block_recomputed = True
     if dp_mesh is not None:
         opts = dict(fsdp or {})
         apply_fsdp(model, dp_mesh, param_dtype, **opts)

@@ -10,7 +10,7 @@ Unfused, these are a batched matmul (read x, write y), RoPE of y (read, write) a
 memory-bound, and the backward repeats the pattern (plus a second batched matmul for dA and an add): at 1.5B/8k
 the transforms and RoPEs of both branches were ~14 ms of a 225 ms step. Here the forward reads x once and writes
 both outputs; the backward reads both incoming gradients once and writes dx and y's unrotated gradient g, from
-which one batched matmul gives dA = x^T g (see `_transform_grad`).
+which a split-K reduction over the rows gives dA = x^T g (see `_transform_grads`).
 
 RoPE rotates pairs (x[2i], x[2i+1]); the kernels load a row block as (BM, D/2, 2) and split it in registers, and
 multiply x by A's even and odd columns separately (two (BM, D) @ (D, D/2) dots; A is loaded whole and split the
@@ -64,20 +64,24 @@ def _pick(which, first, second):
 
 
 @triton.jit
+def _program_input(Q, K, sq_n, sq_h, sk_n, sk_h):
+    """This program's head h (of H), tensor t (0: q, 1: k; grid axis 2), and that tensor with its row and head
+    strides."""
+    h = tl.program_id(1)
+    t = tl.program_id(2)
+    return h, tl.num_programs(1), t, _pick(t, Q, K), _pick(t, sq_n, sk_n), _pick(t, sq_h, sk_h)
+
+
+@triton.jit
 def _rope_transform_fwd_kernel(Q, K, A, COS, SIN, QR, KR, QYR, KYR, N, T, sq_n, sq_h, sk_n, sk_h,
                                BM: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
     """One program per (RB blocks of BM rows, head, tensor q or k): RoPE(x) into QR | KR and RoPE(x A_t) into
     QYR | KYR (four contiguous (N, H, D) tensors); A is (2, H, D, D). A_t,h is loaded once per program and used
     for RB row blocks (a (D, D) float32 matrix is as many bytes as 4 bf16 row blocks of 64)."""
     HALF: tl.constexpr = D // 2
-    h = tl.program_id(1)
-    H = tl.num_programs(1)
-    t = tl.program_id(2)
-    X = _pick(t, Q, K)
+    h, H, t, X, sx_n, sx_h = _program_input(Q, K, sq_n, sq_h, sk_n, sk_h)
     XR = _pick(t, QR, KR)
     YR = _pick(t, QYR, KYR)
-    sx_n = _pick(t, sq_n, sk_n)
-    sx_h = _pick(t, sq_h, sk_h)
     offs_d = tl.arange(0, D)
     ae, ao = _transform_cols(A + (t * H + h) * D * D, D, HALF, X.dtype.element_ty)
     for b in range(RB):
@@ -102,8 +106,9 @@ def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, A, COS, SIN, DQ, DK, G, N, T, B
     """One program per (RB blocks of BM rows, head, tensor t: q or k). With gx, gy the gradients of RoPE(x),
     RoPE(x A_t) (GQ | GK, GQY | GKY) and g = RoPE^T(gy) (the inverse rotation): dx = RoPE^T(gx) + g A_t,h^T into
     DQ | DK, and g into G[t]; every tensor contiguous, (N, H, D) (G: (2, N, H, D)).
-    The host takes dA_h = x^T g with a batched matmul (reducing dA here as well kept two (D, D/2) float32
-    accumulators per program live across a loop over rows: slower than this kernel plus the matmul)."""
+    dA_h = x^T g is a separate split-K reduction (`_transform_grads`): reducing it here as well kept two (D, D/2)
+    float32 accumulators per program live across a loop over rows, slower than this kernel plus the reduction.
+    """
     HALF: tl.constexpr = D // 2
     h = tl.program_id(1)
     H = tl.num_programs(1)
@@ -167,12 +172,46 @@ def rope_transform_forward(q, k, A, cos, sin):
     return tuple(outs)
 
 
-def _transform_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """dA_h = x_h^T g_h (H, D, D) float32, for x, g (N, H, D) with contiguous last dims: one batched matmul
-    over strided views (cuBLAS takes x_h^T as a transposed operand with x's row stride; nothing is copied).
-    Splitting the rows into chunks to give a few heads more parallelism needs copies of x and g that cost more
-    than the split saves (measured at 16 heads of 128 and at 4 heads of 64, docs/benchmarks.md Session 9)."""
-    return torch.bmm(x.permute(1, 2, 0), g.permute(1, 0, 2)).float()  # (H, D, N) @ (H, N, D)
+@triton.jit
+def _transform_grad_kernel(Q, K, G, P, N, ROWS_PER, sq_n, sq_h, sk_n, sk_h, BK: tl.constexpr, D: tl.constexpr,
+                           PREC: tl.constexpr):
+    """One program per (chunk of ROWS_PER rows, head, tensor t: q or k): the chunk's share of dA_t,h = x^T g,
+    P[chunk, t, h] = sum over its rows of x[n, h]^T g[t, n, h], (D, D) float32. x is read through its strides,
+    G is the contiguous (2, N, H, D) buffer of the backward kernel."""
+    c = tl.program_id(0)
+    h, H, t, X, sx_n, sx_h = _program_input(Q, K, sq_n, sq_h, sk_n, sk_h)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([D, D], tl.float32)
+    start = c * ROWS_PER
+    for r0 in range(start, tl.minimum(start + ROWS_PER, N), BK):
+        rows = r0 + tl.arange(0, BK)
+        rmask = (rows < N)[:, None]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * sx_n + h * sx_h + offs_d[None, :], mask=rmask, other=0.0)
+        g = tl.load(G + (t * N + rows64[:, None]) * (H * D) + h * D + offs_d[None, :], mask=rmask, other=0.0)
+        acc += _dot(tl.trans(x), g, PREC)
+    tl.store(P + ((c * 2 + t) * H + h) * (D * D) + offs_d[:, None] * D + offs_d[None, :], acc)
+
+
+# Programs the dA reduction aims for: each (head, tensor) pair's rows are split into chunks until about this many
+# programs run (two per SM of an H100). cuBLAS's batched matmul over the heads ran the (H, D, D) output as 8-16
+# tiles, each reducing all N rows: at 4 heads of 64 over 32k rows it read x and g at a quarter of the copy rate.
+DA_PROGRAMS = 264
+
+
+def _transform_grads(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """dA (2, H, D, D) float32: dA_t,h = x_t,h^T g_t,h for x = q, k (N, H, D) with contiguous last dims (any row
+    and head strides) and g (2, N, H, D) contiguous. Split-K over the rows: each program sums its chunk in float32
+    into a partial, and the host adds the partials (no atomics: the same sum every run)."""
+    N, H, D = q.shape
+    BK, warps = (16, 4) if INTERPRET or q.device.type != "cuda" else (64, 8 if D >= 128 else 4)
+    chunks = max(1, min(triton.cdiv(N, BK), triton.cdiv(DA_PROGRAMS, 2 * H)))
+    rows_per = triton.cdiv(triton.cdiv(N, chunks), BK) * BK
+    chunks = triton.cdiv(N, rows_per)
+    part = torch.empty((chunks, 2, H, D, D), device=q.device, dtype=torch.float32)
+    _transform_grad_kernel[(chunks, H, 2)](q, k, g, part, N, rows_per, q.stride(0), q.stride(1), k.stride(0),
+                                           k.stride(1), BK=BK, D=D, PREC=_prec(q.dtype), num_warps=warps)
+    return part.sum(0) if chunks > 1 else part[0]
 
 
 def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
@@ -187,4 +226,4 @@ def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
     _rope_transform_bwd_kernel[(triton.cdiv(N, BM * RB), H, 2)](
         gq, gk, gqy, gky, A, cos, sin, dq, dk, g, N, cos.shape[0], BM=BM, RB=RB, D=D, PREC=_prec(q.dtype),
         num_warps=warps)
-    return dq, dk, torch.stack((_transform_grad(q, g[0]), _transform_grad(k, g[1])))
+    return dq, dk, _transform_grads(q, k, g)
