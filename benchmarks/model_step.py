@@ -24,7 +24,10 @@ train.loss, bf16 autocast on GPU. Data: random tokens, every row one document.
 Per run: ms/step (median over --steps steps after --warmup steps, host-synchronised), tokens/s, MFU
 (`logo.model.flops.mfu`, the trainer's formula: 6 x (non-embedding + LM-head parameters) + attention FLOPs by
 kind, the realized ratio of the LoGo layers, over the GPU's dense bf16 peak) and the peak allocated memory.
-Writes the JSON to --out and prints one markdown table per shape.
+Writes the JSON to --out and prints one markdown table per shape. `--repeats R` runs R rounds of every kind
+(each run a fresh process; rows carry their round as "repeat"): the table then shows the median and range of
+ms/step and the median of each round's ratio to full attention. The small shape's step under CUDA graphs
+varied by up to 40% between processes of the same code on the GPU machines (docs/benchmarks.md, Session 11).
 """
 from __future__ import annotations
 
@@ -200,24 +203,54 @@ def run_one(shape: str, kind: str, compile_: str, ac: str, args) -> dict:
                 "traceback": (p.stderr or p.stdout)[-4000:]}
 
 
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (kind, compile), in first-seen order, over its repeats: the runs, the ok ones, the median
+    run (ms/step closest to the median) and `vs_full`, the median over repeats of ms/step divided by the same
+    repeat's full-attention run with the same compile setting (a paired ratio: runs of one round are neighbours
+    in time, so the ratio cancels what drifts between rounds)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["kind"], r["compile"]), []).append(r)
+    full_ms = {(r["compile"], r.get("repeat", 0)): r["ms_per_step"] for r in rows
+               if r["kind"] == "full" and r["status"] == "ok"}
+    out = []
+    for (kind, comp), runs in groups.items():
+        ok = [r for r in runs if r["status"] == "ok"]
+        entry = {"kind": kind, "compile": comp, "runs": runs, "ok": ok, "median_run": None, "vs_full": None}
+        if ok:
+            mid = statistics.median(r["ms_per_step"] for r in ok)
+            entry["median_run"] = min(ok, key=lambda r: abs(r["ms_per_step"] - mid))
+            entry["ms_median"] = mid
+            ratios = [r["ms_per_step"] / full_ms[(comp, r.get("repeat", 0))] for r in ok
+                      if (comp, r.get("repeat", 0)) in full_ms]
+            entry["vs_full"] = statistics.median(ratios) if ratios else None
+        out.append(entry)
+    return out
+
+
 def table(rows: list[dict], shape: str) -> str:
     """Markdown table of one shape's runs; the last column is the step time relative to full attention with the
-    same compile setting."""
-    fulls = {r["compile"]: r for r in rows if r["kind"] == "full" and r["status"] == "ok"}
+    same compile setting. With --repeats, ms/step is the median over the repeats (range and count beside it),
+    the other columns are the median run's, and "vs full" is the median of the per-repeat ratios."""
     lines = [f"### {shape}", "", "| kind | compile | ms/step | tokens/s | MFU | peak GiB | ratio | vs full |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["status"] != "ok":
+    for e in summarize(rows):
+        if not e["ok"]:
+            r = e["runs"][0]
             lines.append(f"| {r['kind']} | {r['compile']} | **{r['status'].upper()}** | {r.get('error', '')[:80]} "
                          f"| | | | |")
             continue
+        r = e["median_run"]
+        ms = f"{e['ms_median']:.1f}"
+        if len(e["runs"]) > 1:
+            lo, hi = min(x["ms_per_step"] for x in e["ok"]), max(x["ms_per_step"] for x in e["ok"])
+            ms += f" ({lo:.1f}-{hi:.1f}, {len(e['ok'])}/{len(e['runs'])} runs)"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
         ratio = f"{r['realized_ratio']:.3f}" if r["realized_ratio"] is not None else "-"
-        full = fulls.get(r["compile"])  # the same compile setting's full attention
-        vs = f"{r['ms_per_step'] / full['ms_per_step']:.2f}x" if full else "-"
-        lines.append(f"| {r['kind']} | {r['compile']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
-                     f"| {mem} | {ratio} | {vs} |")
+        vs = f"{e['vs_full']:.2f}x" if e["vs_full"] is not None else "-"
+        lines.append(f"| {r['kind']} | {r['compile']} | {ms} | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | {ratio} "
+                     f"| {vs} |")
     return "\n".join(lines)
 
 
@@ -239,6 +272,9 @@ def parse_args(argv=None):
     ap.add_argument("--loss", default="auto", choices=["auto", "liger", "chunked", "plain"], help="train.loss")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="measured steps (the median is reported)")
+    ap.add_argument("--repeats", type=int, default=1, metavar="R",
+                    help="R rounds of every kind, each run in a fresh process: the table shows the median and range "
+                         "of ms/step and the median of the per-round ratios to full attention (for noisy shapes)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="N more steps under torch.profiler: GPU busy time and the top kernels per step in the JSON")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (shape, kind) run")
@@ -254,8 +290,8 @@ def parse_args(argv=None):
             bad = [x for x in getattr(args, name).split(",") if x not in allowed]
             if bad:
                 ap.error(f"--{name}: unknown {bad}; choose from {list(allowed)}")
-        if args.steps < 1 or args.warmup < 0:
-            ap.error("--steps must be >= 1 and --warmup >= 0")
+        if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+            ap.error("--steps and --repeats must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -271,19 +307,21 @@ def main(argv=None) -> None:
     rows = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps", "set")}
+    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps", "set", "repeats")}
     for shape in shapes:
         ac = ("on" if SHAPES[shape][3] else "off") if args.ac == "auto" else args.ac
         for comp in compiles:
-            for kind in kinds:
-                t0 = time.time()
-                r = {"shape": shape, "kind": kind, "compile": comp, "ac": ac,
-                     **run_one(shape, kind, comp, ac, args), "wall_s": None}
-                r["wall_s"] = round(time.time() - t0, 1)
-                rows.append(r)
-                figure = f"{r['ms_per_step']:.1f} ms/step" if r["status"] == "ok" else r["status"]
-                print(f"  {shape} {kind} compile={comp} ac={ac}: {figure} ({r['wall_s']} s)", flush=True)
-                out.write_text(json.dumps({**info, "settings": settings, "results": rows}, indent=1))  # so far
+            for rep in range(args.repeats):  # rounds of every kind, so each round's runs are neighbours in time
+                for kind in kinds:
+                    t0 = time.time()
+                    r = {"shape": shape, "kind": kind, "compile": comp, "ac": ac, "repeat": rep,
+                         **run_one(shape, kind, comp, ac, args), "wall_s": None}
+                    r["wall_s"] = round(time.time() - t0, 1)
+                    rows.append(r)
+                    figure = f"{r['ms_per_step']:.1f} ms/step" if r["status"] == "ok" else r["status"]
+                    print(f"  {shape} {kind} compile={comp} ac={ac} repeat {rep}: {figure} ({r['wall_s']} s)",
+                          flush=True)
+                    out.write_text(json.dumps({**info, "settings": settings, "results": rows}, indent=1))
         print("\n" + table([r for r in rows if r["shape"] == shape], shape) + "\n", flush=True)
     print(f"wrote {out}")
 

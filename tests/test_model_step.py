@@ -67,3 +67,41 @@ def test_set_overrides_reach_every_run_config():
     assert ov[-1] == "attention.recompute_branch_inputs=never"
     cfg, _, _ = compose(ov)
     assert cfg.model.attention.recompute_branch_inputs == "never" and cfg.model.attention.budget_control == "quantile"
+
+
+def _model_step_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import model_step
+    finally:
+        sys.path.pop(0)
+    return model_step
+
+
+def _run(kind, repeat, ms, status="ok"):
+    base = {"shape": "small", "kind": kind, "compile": "on", "ac": "off", "repeat": repeat, "status": status}
+    if status != "ok":
+        return {**base, "error": "no result after 900 s"}
+    return {**base, "ms_per_step": ms, "tokens_per_s": 1e3 / ms, "mfu": 0.1, "peak_memory_gib": 2.0,
+            "realized_ratio": 0.5 if kind == "logo" else None}
+
+
+def test_repeats_report_medians_and_paired_ratios():
+    """--repeats: ms/step is the median over the rounds, "vs full" the median of each round's own ratio (a slow
+    round slows both kinds and cancels), failed runs are counted but not averaged."""
+    ms = _model_step_module()
+    rows = [_run("full", 0, 10.0), _run("logo", 0, 13.0),
+            _run("full", 1, 20.0), _run("logo", 1, 26.0),  # a round twice as slow: the same ratio
+            _run("full", 2, 11.0), _run("logo", 2, 0, status="timeout")]
+    full, logo = ms.summarize(rows)
+    assert full["ms_median"] == 11.0 and full["median_run"]["repeat"] == 2 and full["vs_full"] == 1.0
+    assert logo["ms_median"] == 19.5 and len(logo["ok"]) == 2 and logo["vs_full"] == pytest.approx(1.3)
+    table = ms.table(rows, "small")
+    assert "| logo | on | 19.5 (13.0-26.0, 2/3 runs) |" in table and table.rstrip().endswith("| 1.30x |")
+    assert "| full | on | 11.0 (10.0-20.0, 3/3 runs) |" in table
+
+
+def test_repeats_must_be_positive():
+    p = subprocess.run([sys.executable, "benchmarks/model_step.py", "--repeats", "0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--repeats must be >= 1" in p.stderr
