@@ -10,6 +10,15 @@ from logo.config import AttentionConfig, model_config
 from logo.model.flops import attention_flops_per_token, mfu, realized_ratios, train_flops_per_token
 
 
+def _model_step_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import model_step
+    finally:
+        sys.path.pop(0)
+    return model_step
+
+
 def test_model_step_cpu_smoke(tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "benchmarks/model_step.py", "--shapes", "tiny", "--kinds", "full,logo",
@@ -56,26 +65,13 @@ def test_mfu_uses_realized_logo_ratios():
 
 def test_set_overrides_reach_every_run_config():
     """--set KEY=VALUE is appended to each run's train.py overrides (after the kind's own)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from model_step import overrides, parse_args
-    finally:
-        sys.path.pop(0)
     from logo.train.config import compose
-    args = parse_args(["--kinds", "logo", "--set", "attention.recompute_branch_inputs=never"])
-    ov = overrides("tiny", "logo", False, False, "auto", args.set)
+    ms = _model_step_module()
+    args = ms.parse_args(["--kinds", "logo", "--set", "attention.recompute_branch_inputs=never"])
+    ov = ms.overrides("tiny", "logo", False, False, "auto", args.set)
     assert ov[-1] == "attention.recompute_branch_inputs=never"
     cfg, _, _ = compose(ov)
     assert cfg.model.attention.recompute_branch_inputs == "never" and cfg.model.attention.budget_control == "quantile"
-
-
-def _model_step_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import model_step
-    finally:
-        sys.path.pop(0)
-    return model_step
 
 
 def _run(kind, repeat, ms, status="ok"):
