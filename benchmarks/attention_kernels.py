@@ -223,14 +223,14 @@ def logo_layer(T, window, out: Path, profile_it: bool):
     cos, sin = rope_cos_sin(T, D, 10000.0, "cuda")
 
     def logo_fn(x, q, k, v):
-        return layer.branches(x, q, k, v, cos, sin, seqs)[0]
+        return layer.branches(x, x, q, k, v, cos, sin, seqs)[0]
     with torch.no_grad():
-        ratio = float(layer.branches(x, q, k, v, cos, sin, seqs)[2].float().mean())
+        ratio = float(layer.branches(x, x, q, k, v, cos, sin, seqs)[2].float().mean())
     run = fwd_bwd(logo_fn, x, q, k, v)
     record(f"LoGo layer (rho~{ratio:.2f}, w{window})", T, run, rho=ratio)
     compiled = torch.compile(layer.branches, fullgraph=True)  # glue fused by Inductor around the custom ops
     record(f"LoGo layer, torch.compile fullgraph", T,
-           fwd_bwd(lambda x, q, k, v: compiled(x, q, k, v, cos, sin, seqs)[0], x, q, k, v), rho=ratio)
+           fwd_bwd(lambda x, q, k, v: compiled(x, x, q, k, v, cos, sin, seqs)[0], x, q, k, v), rho=ratio)
 
     def dense(q, k, v):
         qr, kr = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -8,7 +8,7 @@ from logo.config import AttentionConfig, ModelConfig
 from logo.model.layers import PackedSeqs, rope_cos_sin
 from logo.model.logo_attention import LoGoAttention
 
-from conftest import kept_for_backward
+from conftest import close_in_norm, kept_for_backward
 
 
 def make_layer(seed=0, dim=48, heads=3, window=5, randomize=True, **attn):
@@ -155,8 +155,8 @@ def test_gate_gradient_flows_only_through_selected_rows():
     captured = {}
     original = layer.gate_probs
 
-    def spy(xx):
-        p = original(xx)
+    def spy(xx, x_low=None):
+        p = original(xx, x_low)
         p.register_hook(lambda g: captured.setdefault("grad", g))
         return p
 
@@ -253,3 +253,109 @@ def test_recomputing_branch_inputs_changes_nothing_but_the_kept_activations(vari
         assert torch.equal(a, b)
     one_nhd = x.numel() * x.element_size()  # N * H * D elements, float64
     assert kept - kept_r >= (2 if variant.get("transform") == "shared" else 4) * one_nhd, (kept, kept_r, one_nhd)
+
+
+def _kept_copies_of(x, fn):
+    """Runs fn() under bf16 autocast, keeping every tensor autograd saves: (#distinct storages holding x's fp32
+    values, #distinct storages holding x's bf16 rounding)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fn()
+    copies = {torch.float32: set(), torch.bfloat16: set()}
+    for t in saved:
+        if t.dtype in copies and t.numel() == x.numel() and torch.equal(t.reshape(x.shape), x.to(t.dtype)):
+            copies[t.dtype].add(t.untyped_storage().data_ptr())
+    return len(copies[torch.float32]), len(copies[torch.bfloat16])
+
+
+@pytest.mark.parametrize("kind", ["full", "local", "intra_layer", "logo"])
+def test_eager_autocast_keeps_one_bf16_copy_of_the_attention_input(kind):
+    """Eager bf16 autocast with an fp32 residual stream: the attention layer's backward keeps its input once, in
+    bf16 (shared by W_q, W_k, W_v and, for LoGo, the gate's weight gradient), and never in fp32. Autocast would
+    cast a non-leaf input once per projection, and the fp32 gate logit kept the fp32 input for w_g's gradient."""
+    from logo.model.transformer import ATTENTION_MODULES
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=64,
+                      attention=AttentionConfig(kind=kind, window=8)).validate()
+    layer = ATTENTION_MODULES[kind](cfg)
+    layer.init_weights(0.2, 0.2)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    seqs = PackedSeqs.build(2, 32, "cpu")
+    cos, sin = rope_cos_sin(32, 16, 10000.0, "cpu")
+    assert _kept_copies_of(x, lambda: layer(x * 1.0, cos, sin, seqs)) == (0, 1)  # non-leaf, as in the model
+
+
+def test_feed_forward_keeps_one_bf16_copy_of_its_input_under_autocast():
+    from logo.model.layers import FeedForward
+    torch.manual_seed(0)
+    ffn = FeedForward(64, 96)
+    ffn.init_weights(0.2, 0.2)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    assert _kept_copies_of(x, lambda: ffn(x * 1.0)) == (0, 1)  # a non-leaf input, as in the model
+
+
+def test_gate_weight_gradient_from_the_bf16_copy():
+    """Gate(x, x_low): the same fp32 probabilities as Gate(x); dx exact; dw_g = x_low^T g summed in fp32 (within
+    bf16's rounding of x of the fp32 gradient)."""
+    from logo.model.logo_attention import Gate
+    torch.manual_seed(0)
+    gate = Gate(64)
+    torch.nn.init.normal_(gate.weight, std=0.1)
+    x = torch.randn(3, 40, 64)
+    g = torch.randn(120)
+    grads = []
+    for low in (False, True):
+        xx = x.clone().requires_grad_()
+        gate.zero_grad(set_to_none=True)
+        p = gate(xx, xx.to(torch.bfloat16) if low else None)
+        (p * g).sum().backward()
+        grads.append((p.detach(), xx.grad, gate.weight.grad))
+    (p0, dx0, dw0), (p1, dx1, dw1) = grads
+    assert p1.dtype == torch.float32 and torch.equal(p0, p1)
+    torch.testing.assert_close(dx1, dx0, rtol=1e-6, atol=1e-7)
+    close_in_norm(dw1, dw0, rtol=4e-3, atol=0, what="dw_g")  # bf16 rounds x by <= 2^-9 relative
+    assert not torch.equal(dw1, dw0)  # it did read the bf16 copy
+
+
+def test_gate_weight_gradient_is_fp32_when_compiled_under_autocast():
+    """A compiled graph traces the gate's backward under the caller's autocast: its products must stay fp32 there
+    too (a bf16 dw_g differs from eager's by ~1e-2, and the compiled graph then keeps a bf16 copy of x_low)."""
+    from logo.model.logo_attention import Gate
+    torch.manual_seed(0)
+    gate = Gate(64)
+    torch.nn.init.normal_(gate.weight, std=0.1)
+    x = torch.randn(2, 256, 64)
+    weights = torch.linspace(-1, 1, 512)
+    grads = []
+    for fn in (gate, torch.compile(gate, backend="aot_eager", fullgraph=True)):
+        xx = x.clone().requires_grad_()
+        gate.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = xx * 1.0
+            p = fn(y, y.to(torch.bfloat16))
+        (p * weights).sum().backward()
+        grads.append((gate.weight.grad, xx.grad))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_glue_keeps_the_bf16_input_itself():
+    """LoGoAttention.branches compiled (the eager step's glue region) under autocast keeps no fp32 copy and no
+    second bf16 copy of the attention input: only x_low, shared with the projections."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=64,
+                      attention=AttentionConfig(kind="logo", window=8, backend="reference")).validate()
+    layer = LoGoAttention(cfg)
+    layer.init_weights(0.2, 0.2)
+    layer.compile_glue = lambda x: True
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    seqs = PackedSeqs.build(2, 32, "cpu")
+    cos, sin = rope_cos_sin(32, 16, 10000.0, "cpu")
+    from logo.model import logo_attention
+    compiled = torch.compile(LoGoAttention.branches, backend="aot_eager", fullgraph=True)
+    original = logo_attention._COMPILED_BRANCHES
+    logo_attention._COMPILED_BRANCHES = compiled
+    try:
+        assert _kept_copies_of(x, lambda: layer(x * 1.0, cos, sin, seqs)) == (0, 1)
+    finally:
+        logo_attention._COMPILED_BRANCHES = original

@@ -113,7 +113,7 @@ def test_branches_equal_previous_routing(variant, case, how):
     qkv0 = [torch.randn(B, T, 2, 16, dtype=torch.float64, generator=g) for _ in range(3)]
     w = torch.randn(B * T, 2, 16, dtype=torch.float64, generator=g)
     results = []
-    for fn in (old_branches, lambda *a: layer.branches(*a[1:])):
+    for fn in (old_branches, lambda _, x, *a: layer.branches(x, x, *a)):
         layer.zero_grad(set_to_none=True)
         x, q, k, v = (t.clone().requires_grad_() for t in (x0, *qkv0))
         o, p, z = fn(layer, x, q, k, v, cos, sin, seqs)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from logo.config import AttentionConfig, ModelConfig
 from logo.kernels import dispatch
-from logo.model.layers import PackedSeqs, apply_rope
+from logo.model.layers import PackedSeqs, apply_rope, autocast_input
 
 
 def causal(q, k, v, seqs: PackedSeqs, backend: str) -> torch.Tensor:
@@ -51,8 +51,10 @@ class QKVAttention(nn.Module):
         self.wo = nn.Linear(inner, cfg.dim, bias=False)
 
     def project(self, x):
-        """x (B, T, d) -> pre-RoPE q, k, v (B, T, H, D)."""
+        """x (B, T, d) -> pre-RoPE q, k, v (B, T, H, D). Under autocast x is cast once for all three (one copy
+        kept for their weight gradients instead of three)."""
         shape = (*x.shape[:2], self.n_heads, self.head_dim)
+        x = autocast_input(x)
         return self.wq(x).view(shape), self.wk(x).view(shape), self.wv(x).view(shape)
 
     def init_weights(self, std: float, out_std: float):

@@ -14,6 +14,16 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x cast once to the autocast dtype when autocast is on (else x itself). Autocast caches its casts of leaf
+    tensors only: three projections of one activation would each cast it and keep their own low-precision copy
+    for the backward; projecting the returned tensor keeps one."""
+    dev = x.device.type
+    if dev in ("cuda", "cpu") and x.is_floating_point() and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in fp32. `shape` is the weight's shape: (D,) for the residual
     stream, (H, D) for head-wise ContextNorm (each head normalized over its own D channels)."""
@@ -81,6 +91,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
+        x = autocast_input(x)  # one low-precision copy kept for w1's and w3's gradients, not two
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float, out_std: float):

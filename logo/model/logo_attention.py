@@ -16,13 +16,15 @@ output is kept whole and the gate only scales the global addition); budget_contr
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
 from logo.config import ModelConfig
 from logo.kernels import dispatch
 from logo.model.attention import QKVAttention
-from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, upcast
+from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, autocast_input, upcast
 from logo.model.recompute import recompute_all_but_attention
 from logo.model.routing import Selection, partition, route, routing_stats, soft_ratio
 
@@ -68,12 +70,40 @@ class Gate(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))  # w_g
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_low: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, T, d) -> (N,) in at least fp32. The logit is an fp32 product even under autocast: in bf16 it
-        has 8 bits of mantissa, so many gates would tie at the threshold and decisions would hang on rounding."""
-        xf = upcast(x.flatten(0, 1))
+        has 8 bits of mantissa, so many gates would tie at the threshold and decisions would hang on rounding.
+        x_low: the same activation in the precision the projections keep (their autocast copy; default x). When
+        it is narrower than fp32, the weight's gradient is taken from it, so no fp32 copy of x is kept."""
+        xf = upcast(x.flatten(0, 1))  # (N, d)
+        x_low = x if x_low is None else x_low
         with torch.autocast(xf.device.type, enabled=False):
-            return torch.sigmoid(xf @ self.weight.to(xf.dtype))
+            w = self.weight.to(xf.dtype)
+            logit = xf @ w if x_low.dtype == xf.dtype else _LogitKeepingNarrowInput.apply(xf, x_low, w)
+            return torch.sigmoid(logit)
+
+
+class _LogitKeepingNarrowInput(torch.autograd.Function):
+    """x @ w in x's precision, keeping a narrower copy of x (the projections' own) for w's gradient.
+
+    forward: x (N, d) fp32, x_low (..., d) bf16/fp16 (the same values, rounded; kept as given, not as a view,
+    which a compiled graph would save as a copy), w (d,) fp32 -> (N,) fp32.
+    backward: dx = g w^T exactly; dw = x_low^T g in fp32 (x's rounding enters dw only, as it does for W_q, W_k,
+    W_v, whose gradients read the same copy)."""
+
+    @staticmethod
+    def forward(ctx, x, x_low, w):
+        ctx.save_for_backward(x_low, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):  # g (N,) fp32
+        x_low, w = ctx.saved_tensors
+        # fp32 products: a compiled graph traces this backward under the forward's caller's autocast
+        with torch.autocast(g.device.type, enabled=False):
+            dx = g[:, None] * w[None, :] if ctx.needs_input_grad[0] else None  # (N, d)
+            dw = g @ x_low.flatten(0, -2).to(g.dtype) if ctx.needs_input_grad[2] else None  # (d,) fp32
+        return dx, None, dw
 
 
 class LoGoAttention(QKVAttention):
@@ -122,16 +152,17 @@ class LoGoAttention(QKVAttention):
             return (self.wq_g(x).view(-1, H, D), self.wk_g(x).view(-1, H, D), self.wv_g(x).view(-1, H, D))
         return self.transform(0, q), self.transform(1, k), self.transform(2, v)
 
-    def gate_probs(self, x: torch.Tensor) -> torch.Tensor:
-        """p_t = sigmoid(x_t . w_g): x (B, T, d) -> (N,) in at least fp32."""
-        return self.gate(x)
+    def gate_probs(self, x: torch.Tensor, x_low: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """p_t = sigmoid(x_t . w_g): x (B, T, d) -> (N,) in at least fp32 (x_low: see `Gate.forward`)."""
+        return self.gate(x, x_low)
 
     def mix(self, x, cos, sin, seqs: PackedSeqs):
         """Both branches and the fusion: x (B, T, d) -> o (N, H, D) before W_o, p (N,), z (N,) bool."""
-        q, k, v = self.project(x)
+        x_low = autocast_input(x)  # (B, T, d): the one copy of x the backward keeps (projections and gate)
+        q, k, v = self.project(x_low)
         if self.compile_glue(x):
-            return _compiled_branches()(self, x, q, k, v, cos, sin, seqs)
-        return self.branches(x, q, k, v, cos, sin, seqs)
+            return _compiled_branches()(self, x, x_low, q, k, v, cos, sin, seqs)
+        return self.branches(x, x_low, q, k, v, cos, sin, seqs)
 
     def compile_glue(self, x: torch.Tensor) -> bool:
         """attention.compile_glue: in an eager CUDA training step, run `branches` (gate, routing, transforms,
@@ -142,13 +173,16 @@ class LoGoAttention(QKVAttention):
                 and not torch.compiler.is_compiling() and not dispatch.overridden() and type(x) is torch.Tensor
                 and type(self.gate.weight.data) is torch.Tensor)  # a DTensor weight: tensor parallelism
 
-    def branches(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
-        """Everything between the shared projections and W_o: x (B, T, d), pre-RoPE q, k, v (B, T, H, D)
-        -> o (N, H, D), p (N,), z (N,) bool. Static shapes, no host synchronisation."""
-        p = self.gate_probs(x)  # (N,)
+    def branches(self, x, x_low, q, k, v, cos, sin, seqs: PackedSeqs):
+        """Everything between the shared projections and W_o: x (B, T, d) and its autocast copy x_low, pre-RoPE
+        q, k, v (B, T, H, D) -> o (N, H, D), p (N,), z (N,) bool. Static shapes, no host synchronisation."""
+        p = self.gate_probs(x, x_low)  # (N,)
         z = route(p, self.threshold, seqs)  # (N,) bool
         sel = partition(z, seqs)
-        x, q, k, v = x.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, ...)
+        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, H, D)
+        # x only feeds the `full` variant's global projections; a region input is kept for its backward (a
+        # compiled graph keeps a copy of the view), so the others do not pass it.
+        x = x_low.flatten(0, 1) if self.attn_cfg.transform == "full" else None  # (N, d)
         if self.recompute_branch_inputs():
             o_local, o_global = recompute_all_but_attention(self.attend, x, q, k, v, cos, sin, seqs, sel)
         else:
@@ -164,7 +198,8 @@ class LoGoAttention(QKVAttention):
         return mode == "always" or (mode == "compiled" and torch.compiler.is_compiling())
 
     def attend(self, x, q, k, v, cos, sin, seqs: PackedSeqs, sel: Selection):
-        """Both branches' attention from the rows' inputs x (N, d) and pre-RoPE q, k, v (N, H, D):
+        """Both branches' attention from the rows' inputs x (N, d; None unless transform=full) and pre-RoPE q, k,
+        v (N, H, D):
         -> o_local (N, H, D) every row, o_global (N, H, D) zero at unselected rows."""
         backend = self.attn_cfg.backend
         q, k, qg, kg, vg = self.rotated_branch_inputs(x, q, k, v, cos, sin, seqs)  # (N, H, D) each

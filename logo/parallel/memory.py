@@ -8,7 +8,7 @@ A count of what bf16 training with fp32 master weights keeps, per GPU (GiB = 2^3
 - activations saved for backward, per layer and token (bytes), from what the model code keeps: residual
   RMSNorm inputs upcast to fp32, the all-gathered (sequence-parallel) block input 2d, q/k/v, RoPE's fp32
   upcasts, the attention output; LoGo adds the global k/v, its RoPE, both ContextNorms, the fusion for the
-  rho share of tokens and the gate's fp32 copy of the hidden state; the SwiGLU keeps w1/w3 outputs, silu and
+  rho share of tokens (the gate's weight gradient reads the projections' copy of the input); the SwiGLU keeps w1/w3 outputs, silu and
   the product (8h); under cp > 1 each global / full attention layer keeps the all-gathered K and V of the
   whole sequence (4d/tp per token of the sequence). With activation checkpointing only each block's input
   (2d/tp) is kept, plus one block's full activations while it is recomputed;
@@ -62,7 +62,7 @@ def _layer_bytes_per_token(kind: str, d: int, h: int, tp: int, cp: int, rho: flo
     if kind == "local":
         return full_attn + ffn
     if kind == "logo":
-        extra = (18 + 18 * rho) * d / tp + 4 * d
+        extra = (18 + 18 * rho) * d / tp
         return full_attn + extra + ffn + gathered_kv
     return full_attn + ffn + gathered_kv  # full, and intra-layer (global heads gather all of K/V)
 

@@ -76,7 +76,8 @@ def _replicate_params(name, module, mesh):
 
 
 def _gate_in(module, inputs, mesh):
-    return (DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False),)
+    return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) else t
+                 for t in inputs)
 
 
 def _gate_out(module, p, mesh):
