@@ -102,7 +102,8 @@ class _LogitKeepingNarrowInput(torch.autograd.Function):
         # fp32 products: a compiled graph traces this backward under the forward's caller's autocast
         with torch.autocast(g.device.type, enabled=False):
             dx = g[:, None] * w[None, :] if ctx.needs_input_grad[0] else None  # (N, d)
-            dw = g @ x_low.flatten(0, -2).to(g.dtype) if ctx.needs_input_grad[2] else None  # (d,) fp32
+            # (d,) fp32; as a matrix-vector product, which Inductor folds into the block's other row reductions
+            dw = torch.mv(x_low.flatten(0, -2).t().to(g.dtype), g) if ctx.needs_input_grad[2] else None
         return dx, None, dw
 
 
@@ -162,6 +163,8 @@ class LoGoAttention(QKVAttention):
         q, k, v = self.project(x_low)
         if self.compile_glue(x):
             return _compiled_branches()(self, x, x_low, q, k, v, cos, sin, seqs)
+        if torch.compiler.is_compiling():  # a compiled block: its partitioner keeps neither x nor its norm's
+            x_low = x  # input and fuses the gate's plain weight gradient into the block's other row reductions
         return self.branches(x, x_low, q, k, v, cos, sin, seqs)
 
     def compile_glue(self, x: torch.Tensor) -> bool:
