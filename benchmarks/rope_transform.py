@@ -3,14 +3,15 @@
     python benchmarks/rope_transform.py --out benchmarks/results/h100_rope_transform.json
     python benchmarks/rope_transform.py --sweep      # (rows per block, blocks per program, warps) of both
 
-Per call, for q and k of a LoGo layer (1.5B at 8k: N=8192 rows, 16 heads of 128, bf16): forward (RoPE and
-RoPE of the transform, of both) and backward (dq, dk, dA), as medians of `triton.testing.do_bench`. On the GPU
-machine's slow host, times of a few tens of microseconds include launch gaps: read kernel times from a profile.
-The unfused baseline is the model's formula (batched matmul, then RoPE of both) under torch.compile, as the
-compiled LoGo layer runs it.
+Per call, for q, k and v of a LoGo layer (1.5B at 8k: N=8192 rows, 16 heads of 128, bf16): forward (RoPE and
+RoPE of the transform, of q and k; v's transform) and backward (dq, dk, dv, dA), as medians of
+`triton.testing.do_bench`. On the GPU machine's slow host, times of a few tens of microseconds include launch
+gaps: read kernel times from a profile.
+The unfused baseline is the model's formula (batched matmul, then RoPE of q's and k's; v's batched matmul) under
+torch.compile, as the compiled LoGo layer runs it.
 A copy ceiling (read + write one (N, H, D) tensor) puts the numbers in memory-pass units: the fused forward
-moves 6 passes (read q, k, write four), the backward kernel 8 (read four gradients, write dq, dk and the two
-unrotated gradients g), then the dA matmuls read q, k and g.
+moves 8 passes (read q, k, v, write five), the backward kernel 11 (read five gradients, write dq, dk, dv and the
+three unrotated gradients g), then the dA reduction reads q, k, v and g.
 """
 from __future__ import annotations
 
@@ -30,32 +31,32 @@ from logo.model.layers import apply_rope, rope_cos_sin  # noqa: E402
 
 
 def problem(n, H, D, dtype=torch.bfloat16):
-    q, k = (torch.randn(n, H, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-    A = (torch.eye(D, device="cuda") + 0.05 * torch.randn(2, H, D, D, device="cuda")).requires_grad_()
+    q, k, v = (torch.randn(n, H, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    A = (torch.eye(D, device="cuda") + 0.05 * torch.randn(3, H, D, D, device="cuda")).requires_grad_()
     cos, sin = rope_cos_sin(n, D, 10000.0, "cuda")
-    g = [torch.randn(n, H, D, device="cuda", dtype=dtype) for _ in range(4)]
-    return q, k, A, cos, sin, g
+    g = [torch.randn(n, H, D, device="cuda", dtype=dtype) for _ in range(5)]
+    return q, k, v, A, cos, sin, g
 
 
-def unfused(q, k, A, cos, sin):
-    qg, kg = (torch.einsum("nhd,hde->nhe", x, a.to(x.dtype)) for x, a in ((q, A[0]), (k, A[1])))
-    return tuple(apply_rope(t, cos, sin, 1) for t in (q, k, qg, kg))
+def unfused(q, k, v, A, cos, sin):
+    qg, kg, vg = (torch.einsum("nhd,hde->nhe", x, a.to(x.dtype)) for x, a in zip((q, k, v), A))
+    return (*(apply_rope(t, cos, sin, 1) for t in (q, k, qg, kg)), vg)
 
 
 def measure(n, H, D, rows, label=""):
-    """q and k of one layer: the fused op's two kernels alone, then forward + backward through autograd."""
-    q, k, A, cos, sin, g = problem(n, H, D)
-    qd, kd, Ad = q.detach(), k.detach(), A.detach()
-    copy = bench(lambda: qd.clone())
-    fwd = bench(lambda: _rope.rope_transform_forward(qd, kd, Ad, cos, sin))
-    bwd = bench(lambda: _rope.rope_transform_backward(*g, qd, kd, Ad, cos, sin))
+    """q, k and v of one layer: the fused op's kernels alone, then forward + backward through autograd."""
+    q, k, v, A, cos, sin, g = problem(n, H, D)
+    xd, Ad = (q.detach(), k.detach(), v.detach()), A.detach()
+    copy = bench(lambda: xd[0].clone())
+    fwd = bench(lambda: _rope.rope_transform_forward(*xd, Ad, cos, sin))
+    bwd = bench(lambda: _rope.rope_transform_backward(*g, *xd, Ad, cos, sin))
     comp = torch.compile(unfused)
 
     def fused_step():
-        torch.autograd.backward(ops.rope_transform(q, k, A, cos, sin, use_triton=True), g)
+        torch.autograd.backward(ops.rope_transform(q, k, v, A, cos, sin, use_triton=True), g)
 
     def unfused_step():
-        torch.autograd.backward(comp(q, k, A, cos, sin), g)
+        torch.autograd.backward(comp(q, k, v, A, cos, sin), g)
 
     both = bench(fused_step)
     base = bench(unfused_step)

@@ -111,10 +111,10 @@ def _kernel_head_dim(D: int, lowest: int = 16) -> bool:
     return lowest <= D <= 256 and not D & (D - 1)
 
 
-def rope_transform(q, k, A, cos, sin, backend: str = "auto"):
-    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1) in one pass (logo::rope_transform_fwd); see
+def rope_transform(q, k, v, A, cos, sin, backend: str = "auto"):
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2 in one pass (logo::rope_transform_fwd); see
     `fuses_rope_transform`."""
-    return ops.rope_transform(q, k, A, cos, sin, use_triton=_use_triton(q, backend))
+    return ops.rope_transform(q, k, v, A, cos, sin, use_triton=_use_triton(q, backend))
 
 
 # The ops without any override (what an override calls after its own work).

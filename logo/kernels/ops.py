@@ -6,10 +6,12 @@ One op pair serves every kind ("range attention": each query slot sees a contigu
     logo::range_attention_bwd(do, q, k, v, o, lse2, q_pos?, rows?, cu_q, cu_k, scale, window, use_triton)
         -> (dq, dk, dv)
 
-and the LoGo layer's branch inputs (RoPE of the local q or k and of its per-head global transform, one pass):
+and the LoGo layer's branch inputs (RoPE of the local q or k and of its per-head global transform, and the
+global v, one pass):
 
-    logo::rope_transform_fwd(q, k, A, cos, sin, use_triton) -> (RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1))
-    logo::rope_transform_bwd(gq, gk, gqy, gky, q, k, A, cos, sin, use_triton) -> (dq, dk, dA)
+    logo::rope_transform_fwd(q, k, v, A, cos, sin, use_triton)
+        -> (RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2)
+    logo::rope_transform_bwd(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, use_triton) -> (dq, dk, dv, dA)
 
 rows None: every row a query (sliding window with window > 0, causal with window 0); else query-sparse with
 the static-shape contract of `logo.kernels.reference` (o (N, H, D), zero at unselected rows; the selected count
@@ -145,64 +147,66 @@ def _rope_impl(use_triton: bool):
 
 
 @torch.library.custom_op("logo::rope_transform_fwd", mutates_args=())
-def rope_transform_fwd(q: Tensor, k: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
-                       use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1): contiguous (N, H, D) in q's dtype."""
-    return _rope_impl(use_triton).rope_transform_forward(_rows(q), _rows(k), A.contiguous(), cos.contiguous(),
-                                                         sin.contiguous())
+def rope_transform_fwd(q: Tensor, k: Tensor, v: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
+                       use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2: contiguous (N, H, D) in q's dtype."""
+    return _rope_impl(use_triton).rope_transform_forward(_rows(q), _rows(k), _rows(v), A.contiguous(),
+                                                         cos.contiguous(), sin.contiguous())
 
 
 @rope_transform_fwd.register_fake
-def _(q, k, A, cos, sin, use_triton):
-    return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(4))
+def _(q, k, v, A, cos, sin, use_triton):
+    return tuple(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(5))
 
 
 @torch.library.custom_op("logo::rope_transform_bwd", mutates_args=())
-def rope_transform_bwd(gq: Tensor, gk: Tensor, gqy: Tensor, gky: Tensor, q: Tensor, k: Tensor, A: Tensor,
-                       cos: Tensor, sin: Tensor, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk (N, H, D) in q's dtype, dA (2, H, D, D) in A's dtype."""
-    dq, dk, dA = _rope_impl(use_triton).rope_transform_backward(_c(gq), _c(gk), _c(gqy), _c(gky), _rows(q),
-                                                                _rows(k), _c(A), _c(cos), _c(sin))
-    return dq, dk, dA.to(A.dtype)
+def rope_transform_bwd(gq: Tensor, gk: Tensor, gqy: Tensor, gky: Tensor, gvy: Tensor, q: Tensor, k: Tensor,
+                       v: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
+                       use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (N, H, D) in q's dtype, dA (3, H, D, D) in A's dtype."""
+    dq, dk, dv, dA = _rope_impl(use_triton).rope_transform_backward(
+        _c(gq), _c(gk), _c(gqy), _c(gky), _c(gvy), _rows(q), _rows(k), _rows(v), _c(A), _c(cos), _c(sin))
+    return dq, dk, dv, dA.to(A.dtype)
 
 
 @rope_transform_bwd.register_fake
-def _(gq, gk, gqy, gky, q, k, A, cos, sin, use_triton):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(A, memory_format=torch.contiguous_format))
+def _(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, use_triton):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, A))
 
 
 def _rope_setup_context(ctx, inputs, output):
-    q, k, A, cos, sin, use_triton = inputs
-    ctx.save_for_backward(q, k, A, cos, sin)
+    q, k, v, A, cos, sin, use_triton = inputs
+    ctx.save_for_backward(q, k, v, A, cos, sin)
     ctx.use_triton = use_triton
 
 
-def _rope_backward(ctx, gq, gk, gqy, gky):
-    q, k, A, cos, sin = ctx.saved_tensors
-    grads = [torch.zeros_like(q) if g is None else g for g in (gq, gk, gqy, gky)]
-    dq, dk, dA = rope_transform_bwd(*grads, q, k, A, cos, sin, ctx.use_triton)
-    return dq, dk, dA, None, None, None
+def _rope_backward(ctx, gq, gk, gqy, gky, gvy):
+    q, k, v, A, cos, sin = ctx.saved_tensors
+    grads = [torch.zeros_like(q) if g is None else g for g in (gq, gk, gqy, gky, gvy)]
+    dq, dk, dv, dA = rope_transform_bwd(*grads, q, k, v, A, cos, sin, ctx.use_triton)
+    return dq, dk, dv, dA, None, None, None
 
 
 rope_transform_fwd.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
-def rope_transform(q: Tensor, k: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
-                   use_triton: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1) in one pass: q, k (N, H, D), A (2, H, D, D) (the q and k
-    transforms), cos/sin (T, D/2) float32 with T dividing N (row n is at position n mod T: B rows of T tokens
-    flattened). Differentiable in q, k and A."""
-    if q.dim() != 3 or k.shape != q.shape or A.shape != (2, q.shape[1], q.shape[2], q.shape[2]):
-        raise ValueError(f"q and k must be (N, H, D) and A (2, H, D, D); got {tuple(q.shape)}, {tuple(k.shape)} "
-                         f"and {tuple(A.shape)}")
+def rope_transform(q: Tensor, k: Tensor, v: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
+                   use_triton: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2 in one pass: q, k, v (N, H, D) of one dtype,
+    A (3, H, D, D) (the q, k and v transforms), cos/sin (T, D/2) float32 with T dividing N (row n is at position
+    n mod T: B rows of T tokens flattened). Differentiable in q, k, v and A."""
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or A.shape != (3, q.shape[1], q.shape[2],
+                                                                                q.shape[2]):
+        raise ValueError(f"q, k and v must be (N, H, D) of one shape and A (3, H, D, D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)} and {tuple(A.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must have one dtype; got {q.dtype}, {k.dtype} and {v.dtype}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] * 2 != q.shape[2] or q.shape[0] % cos.shape[0]:
         raise ValueError(f"cos and sin must be (T, D/2) = (T, {q.shape[2] // 2}) with T dividing the {q.shape[0]} "
                          f"rows; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if use_triton:
         _rope_impl(True).validate(q)
-    return rope_transform_fwd(q, k, A, cos, sin, use_triton)
+    return rope_transform_fwd(q, k, v, A, cos, sin, use_triton)
 
 
 def _fuse_impl(use_triton: bool):

@@ -232,7 +232,8 @@ def positions_in_sequence(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The LoGo layer's branch inputs: RoPE of x and of its per-head transform x A_h (logo::rope_transform_*)
+# The LoGo layer's branch inputs: RoPE of x and of its per-head transform x A_h, and v A_h
+# (logo::rope_transform_*)
 # ----------------------------------------------------------------------------------------------------------
 def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Pairs (x[2i], x[2i+1]) of row n rotated by the angles of cos/sin row n mod T: x (N, H, D) in at least
@@ -243,18 +244,24 @@ def _rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).flatten(0, 1)
 
 
-def _rope_transform_one(x, A, cos, sin):
+def _transform(x, A):
+    """x A_h per head in at least fp32: x (N, H, D), A (H, D, D) rounded to x's dtype first."""
     xf = x.to(_cdt(x))
-    y = torch.einsum("nhd,hde->nhe", xf, A.to(x.dtype).to(xf.dtype))
-    return _rope_rows(xf, cos, sin).to(x.dtype), _rope_rows(y, cos, sin).to(x.dtype)
+    return torch.einsum("nhd,hde->nhe", xf, A.to(x.dtype).to(xf.dtype))
 
 
-def rope_transform_forward(q, k, A, cos, sin):
-    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1): four (N, H, D) tensors in q's dtype, for q, k (N, H, D),
-    A (2, H, D, D), cos/sin (T, D/2) with T dividing N (row n has the angles of position n mod T). Computed in at
-    least fp32 with A rounded to q's dtype first (as the kernel and the unfused path multiply)."""
+def _rope_transform_one(x, A, cos, sin):
+    return _rope_rows(x.to(_cdt(x)), cos, sin).to(x.dtype), _rope_rows(_transform(x, A), cos, sin).to(x.dtype)
+
+
+def rope_transform_forward(q, k, v, A, cos, sin):
+    """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2 (not rotated): five (N, H, D) tensors in q's dtype, for
+    q, k, v (N, H, D), A (3, H, D, D), cos/sin (T, D/2) with T dividing N (row n has the angles of position n mod
+    T). Computed in at least fp32 with A rounded to q's dtype first (as the kernel and the unfused path multiply);
+    each output rounded once (v A_2 as the unfused einsum rounds it)."""
     (qr, qy), (kr, ky) = _rope_transform_one(q, A[0], cos, sin), _rope_transform_one(k, A[1], cos, sin)
-    return qr.contiguous(), kr.contiguous(), qy.contiguous(), ky.contiguous()
+    vy = _transform(v, A[2]).to(v.dtype)
+    return qr.contiguous(), kr.contiguous(), qy.contiguous(), ky.contiguous(), vy.contiguous()
 
 
 def _unrope_rows(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -263,21 +270,26 @@ def _unrope_rows(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return _rope_rows(g, cos, -sin)
 
 
+def _transform_grad(g, x, A):
+    """The gradients g A_h^T of x and x^T g of A (summed over the rows) of y = x A_h, given y's gradient g
+    (N, H, D) in at least fp32; in g's dtype."""
+    return torch.einsum("nhe,hde->nhd", g, A.to(x.dtype).to(g.dtype)), torch.einsum("nhd,nhe->hde", x.to(g.dtype), g)
+
+
 def _rope_transform_grad_one(gx, gy, x, A, cos, sin):
     cdt = _cdt(x)
-    xf, Af = x.to(cdt), A.to(x.dtype).to(cdt)
-    g = _unrope_rows(gy.to(cdt), cos, sin)  # (N, H, D)
-    dx = _unrope_rows(gx.to(cdt), cos, sin) + torch.einsum("nhe,hde->nhd", g, Af)
-    return dx.to(x.dtype), torch.einsum("nhd,nhe->hde", xf, g)
+    dxy, dA = _transform_grad(_unrope_rows(gy.to(cdt), cos, sin), x, A)
+    return (_unrope_rows(gx.to(cdt), cos, sin) + dxy).to(x.dtype), dA
 
 
-def rope_transform_backward(gq, gk, gqy, gky, q, k, A, cos, sin):
-    """dq, dk (N, H, D) in q's dtype and dA (2, H, D, D) in at least fp32 of `rope_transform_forward`, given the
-    gradients of its four outputs: with g = RoPE^T(gy) for y = x A_i, dx = RoPE^T(gx) + g A_i^T and
-    dA_i = sum_rows x^T g (explicit: a custom op runs below autograd)."""
+def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin):
+    """dq, dk, dv (N, H, D) in q's dtype and dA (3, H, D, D) in at least fp32 of `rope_transform_forward`, given
+    the gradients of its five outputs: with g = RoPE^T(gy) for y = x A_i (g = gy for v), dx = RoPE^T(gx) + g A_i^T
+    (dv = g A_2^T) and dA_i = sum_rows x^T g (explicit: a custom op runs below autograd)."""
     dq, dAq = _rope_transform_grad_one(gq, gqy, q, A[0], cos, sin)
     dk, dAk = _rope_transform_grad_one(gk, gky, k, A[1], cos, sin)
-    return dq.contiguous(), dk.contiguous(), torch.stack((dAq, dAk))
+    dv, dAv = _transform_grad(gvy.to(_cdt(v)), v, A[2])
+    return dq.contiguous(), dk.contiguous(), dv.to(v.dtype).contiguous(), torch.stack((dAq, dAk, dAv))
 
 
 # ----------------------------------------------------------------------------------------------------------

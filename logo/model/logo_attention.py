@@ -217,12 +217,13 @@ class LoGoAttention(QKVAttention):
 
     def rotated_branch_inputs(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
         """Both branches' attention inputs from x (N, d) and pre-RoPE q, k, v (N, H, D): RoPE(q), RoPE(k),
-        RoPE(q^G), RoPE(k^G), v^G (N, H, D). With LP transforms on the Triton backend, q and k pass through the
-        fused kernel (`logo::rope_transform_fwd`: both RoPEs and the transform in one read of q and of k)."""
+        RoPE(q^G), RoPE(k^G), v^G (N, H, D). With LP transforms on the Triton backend, q, k and v pass through the
+        fused kernel (`logo::rope_transform_fwd`: both RoPEs and the transform in one read of q and of k, and v's
+        transform in the same launch)."""
         A = getattr(self.transform, "A", None)
         if A is not None and self.attn_cfg.fuse_rope and dispatch.fuses_rope_transform(q, A, self.attn_cfg.backend):
-            q, k, qg, kg = dispatch.rope_transform(q, k, A[:2], cos, sin, self.attn_cfg.backend)
-            return q, k, qg, kg, self.transform(2, v)
+            q, k, qg, kg, vg = dispatch.rope_transform(q, k, v, A, cos, sin, self.attn_cfg.backend)
+            return q, k, qg, kg, vg
         qg, kg, vg = self.global_branch_qkv(x, q, k, v)
         q, k = apply_rope(q, cos, sin, seqs.batch), apply_rope(k, cos, sin, seqs.batch)
         qg, kg = apply_rope(qg, cos, sin, seqs.batch), apply_rope(kg, cos, sin, seqs.batch)
