@@ -86,8 +86,7 @@ class Gate(nn.Module):
 class _LogitKeepingNarrowInput(torch.autograd.Function):
     """x @ w in x's precision, keeping a narrower copy of x (the projections' own) for w's gradient.
 
-    forward: x (N, d) fp32, x_low (..., d) bf16/fp16 (the same values, rounded; kept as given, not as a view,
-    which a compiled graph would save as a copy), w (d,) fp32 -> (N,) fp32.
+    forward: x (N, d) fp32, x_low (..., d) bf16/fp16 (the same values, rounded), w (d,) fp32 -> (N,) fp32.
     backward: dx = g w^T exactly; dw = x_low^T g in fp32 (x's rounding enters dw only, as it does for W_q, W_k,
     W_v, whose gradients read the same copy)."""
 
@@ -182,10 +181,7 @@ class LoGoAttention(QKVAttention):
         p = self.gate_probs(x, x_low)  # (N,)
         z = route(p, self.threshold, seqs)  # (N,) bool
         sel = partition(z, seqs)
-        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, H, D)
-        # x only feeds the `full` variant's global projections; a region input is kept for its backward (a
-        # compiled graph keeps a copy of the view), so the others do not pass it.
-        x = x_low.flatten(0, 1) if self.attn_cfg.transform == "full" else None  # (N, d)
+        x, q, k, v = x_low.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, ...)
         if self.recompute_branch_inputs():
             o_local, o_global = recompute_all_but_attention(self.attend, x, q, k, v, cos, sin, seqs, sel)
         else:
@@ -201,8 +197,7 @@ class LoGoAttention(QKVAttention):
         return mode == "always" or (mode == "compiled" and torch.compiler.is_compiling())
 
     def attend(self, x, q, k, v, cos, sin, seqs: PackedSeqs, sel: Selection):
-        """Both branches' attention from the rows' inputs x (N, d; None unless transform=full) and pre-RoPE q, k,
-        v (N, H, D):
+        """Both branches' attention from the rows' inputs x (N, d) and pre-RoPE q, k, v (N, H, D):
         -> o_local (N, H, D) every row, o_global (N, H, D) zero at unselected rows."""
         backend = self.attn_cfg.backend
         q, k, qg, kg, vg = self.rotated_branch_inputs(x, q, k, v, cos, sin, seqs)  # (N, H, D) each
