@@ -359,3 +359,18 @@ def test_compiled_glue_keeps_the_bf16_input_itself():
         assert _kept_copies_of(x, lambda: layer(x * 1.0, cos, sin, seqs)) == (0, 1)
     finally:
         logo_attention._COMPILED_BRANCHES = original
+
+
+
+def test_gate_takes_the_narrow_copy_path_only_when_handed_x_low():
+    """A bf16 activation (FSDP's mixed precision): Gate(x, x) keeps x itself for w_g's gradient, while Gate(x)
+    (what a compiled block calls, so that Inductor fuses the plain product's gradient) keeps the fp32 upcast."""
+    from logo.model.logo_attention import Gate
+    gate = Gate(64)
+    torch.nn.init.normal_(gate.weight, std=0.1)
+    x = torch.randn(2, 32, 64).to(torch.bfloat16).requires_grad_()
+    for x_low, kept_dtype in ((x, torch.bfloat16), (None, torch.float32)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            gate(x, x_low)
+        assert [t.dtype for t in saved if t.numel() == x.numel()] == [kept_dtype]

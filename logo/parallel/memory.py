@@ -8,10 +8,10 @@ A count of what bf16 training with fp32 master weights keeps, per GPU (GiB = 2^3
 - activations saved for backward, per layer and token (bytes), from what the model code keeps: residual
   RMSNorm inputs upcast to fp32, the all-gathered (sequence-parallel) block input 2d, q/k/v, RoPE's fp32
   upcasts, the attention output; LoGo adds the global k/v, its RoPE, both ContextNorms, the fusion for the
-  rho share of tokens (the gate's weight gradient reads the projections' copy of the input); the SwiGLU keeps w1/w3 outputs, silu and
-  the product (8h); under cp > 1 each global / full attention layer keeps the all-gathered K and V of the
-  whole sequence (4d/tp per token of the sequence). With activation checkpointing only each block's input
-  (2d/tp) is kept, plus one block's full activations while it is recomputed;
+  rho share of tokens (the gate's weight gradient reads the projections' copy of the input); the SwiGLU keeps
+  w1/w3 outputs, silu and the product (8h); under cp > 1 each global / full attention layer keeps the
+  all-gathered K and V of the whole sequence (4d/tp per token of the sequence). With activation checkpointing
+  only each block's input (2d/tp) is kept, plus one block's full activations while it is recomputed;
 - logits: the output head's logits are replicated over tp ranks (no loss parallel): bf16 logits, their fp32
   copy for the cross-entropy and its fp32 gradient, 10 V bytes per token.
 It is an estimate (no allocator fragmentation, CUDA context or NCCL buffers): a layout "fits" when the
