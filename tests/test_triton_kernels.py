@@ -202,6 +202,53 @@ def test_atomic_dq_backward_matches_reference(case, dtype, atomic_dq):
     check_all(*res, dtype, f"atomic dQ [{case}]")
 
 
+def _grads_with(override, fns, inputs, g):
+    _attn.CONFIG_OVERRIDE.clear()
+    _attn.CONFIG_OVERRIDE.update({("global",): override, ("window",): override})
+    try:
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        out = fns[0](*xs)
+        return [out, *torch.autograd.grad(out, xs, g)]
+    finally:
+        _attn.CONFIG_OVERRIDE.clear()
+
+
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
+@pytest.mark.parametrize("case", ["none", "one", "all", "random", "skip_a_seq", "window7", "causal"])
+def test_tma_loads_equal_pointer_loads(case, dq_mode, monkeypatch):
+    """`desc` (TMA tiles of K/V in the forward, of q/dO in dK/dV; sparse queries through slot-ordered copies that
+    the delta kernel writes) gives bit-for-bit the pointer path's outputs and gradients, with a strided dO."""
+    lengths = LENGTHS["with_len1"]
+    (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[1], torch.float32, seed=5)
+    if case.startswith("window"):
+        fns = window_fns(cu, int(case.removeprefix("window")))
+    elif case == "causal":
+        fns = causal_fns(cu)
+    else:
+        rows, q_pos, cu_q = select(lengths, case, seed=6)
+        fns = qsparse(rows, q_pos, cu_q, cu)
+    g = torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2], device=DEVICE)[..., ::2]  # dO with stride 2 in D
+    made = []
+    real = _attn._row_desc
+    monkeypatch.setattr(_attn, "_row_desc", lambda x, b: made.append(real(x, b)) or made[-1])
+    plain = _grads_with({"dq_mode": dq_mode, "desc": False}, fns, [q, k, v], g)
+    assert not made
+    tma = _grads_with({"dq_mode": dq_mode, "desc": True}, fns, [q, k, v], g)
+    assert len(made) == 4 and all(d is not None for d in made)  # k, v (forward); q, dO (dK/dV)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), tma, plain):
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"{name}: TMA path differs from the pointer path"
+
+
+def test_tma_needs_a_row_major_layout():
+    """Tensors whose heads are not adjacent rows of D get no descriptor: the kernels fall back to pointer loads."""
+    x = torch.randn(8, 2, 64)
+    assert _attn._row_desc(x[..., :32], 16) is None  # stride(1) != D
+    assert _attn._row_desc(x.transpose(0, 1).contiguous().transpose(0, 1), 16) is None
+    assert _attn._row_desc(x[..., 32:].contiguous(), 16) is not None
+    assert _attn._descs({"desc": True}, 16, x, x[..., :32]) == (None, None)  # one without: none for the pair
+    assert _attn._descs({"desc": False}, 16, x) == (None,)
+
+
 @pytest.mark.parametrize("window", [0, 7])
 def test_log_sum_exp_matches_dense(window):
     """The forward's base-2 log-sum-exp (kept for the backward) equals a dense float64 logsumexp."""

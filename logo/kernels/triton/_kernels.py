@@ -151,17 +151,21 @@ def _query_block(ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WIN
 # forward: one program per (query block, head)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, start, end, hi, qk_scale,
-               MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, start, end, hi, qk_scale, KD, VD, col,
+               MASK: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     offs_nb = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     kb = k_head + start.to(tl.int64) * sk_n  # block pointers advance in int64 (no 32-bit overflow)
     vb = v_head + start.to(tl.int64) * sv_n
     for n0 in range(start, end, BN):
-        kt = _tile(kb, n0, offs_nb, offs_d, sk_n, hi, MASK, True)  # (D, BN)
-        v = _tile(vb, n0, offs_nb, offs_d, sv_n, hi, MASK, False)  # (BN, D)
+        if DESC:  # TMA loads of (BN, D) tiles at column col = h * D; rows past the tensor read as zero
+            kt = KD.load([n0, col]).T  # (D, BN)
+            v = VD.load([n0, col])  # (BN, D)
+        else:
+            kt = _tile(kb, n0, offs_nb, offs_d, sk_n, hi, MASK, True)  # (D, BN)
+            v = _tile(vb, n0, offs_nb, offs_d, sv_n, hi, MASK, False)  # (BN, D)
         s = _dot(q, kt, PREC)  # raw scores; the scale is folded into the max and the exp2 argument (one FMA)
-        if MASK:
+        if MASK:  # (with DESC, keys past `hi` are real rows: masked here, their p is exactly 0)
             s = tl.where(_visible(n0 + offs_nb, first, last), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
@@ -176,9 +180,9 @@ def _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, start,
 
 @triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window", "NB", "NH", "G"])
 def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G,
-                sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, qk_scale,
+                sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, qk_scale, KD, VD,
                 WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                D: tl.constexpr, PREC: tl.constexpr):
+                D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     h, slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(
         ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WINDOWED, DENSE_Q, BM, BN)
     offs_d = tl.arange(0, D)
@@ -190,11 +194,11 @@ def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, lo, m_end, hi,
-                               qk_scale, True, BN, D, PREC)
+                               qk_scale, KD, VD, h * D, True, BN, D, PREC, DESC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, u0, u1, hi,
-                               qk_scale, False, BN, D, PREC)
+                               qk_scale, KD, VD, h * D, False, BN, D, PREC, DESC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, u1, hi, hi,
-                               qk_scale, True, BN, D, PREC)
+                               qk_scale, KD, VD, h * D, True, BN, D, PREC, DESC)
     l_safe = tl.where(row_ok, l_i, 1.0)
     o = tl.where(row_ok[:, None], acc / l_safe[:, None], 0.0)  # dead slots: zero rows
     in_n = slots < NQ
@@ -207,9 +211,10 @@ def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window
 # backward: delta = rowsum(dO * O)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["NQ", "NSEQ"])
-def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, DENSE_Q: tl.constexpr,
-                  BM: tl.constexpr, D: tl.constexpr):
-    """delta per slot (zero for dead slots, so the dK/dV products stay finite there)."""
+def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, Q, QC, DOC, sq_n, sq_h,
+                  DENSE_Q: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
+    """delta per slot (zero for dead slots, so the dK/dV products stay finite there). COMPACT: also copy q and dO
+    into slot order (QC, DOC: contiguous (NQ, H, D), zero for dead slots), for the dK/dV kernel's TMA loads."""
     h = tl.program_id(1)
     slots = tl.program_id(0) * BM + tl.arange(0, BM)
     ok = slots < _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
@@ -217,7 +222,13 @@ def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, 
     offs_d = tl.arange(0, D)
     o = tl.load(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], mask=ok[:, None], other=0.0)
     do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-    tl.store(DELTA + h * NQ + slots, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=slots < NQ)
+    in_n = slots < NQ
+    tl.store(DELTA + h * NQ + slots, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=in_n)
+    if COMPACT:
+        q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=ok[:, None], other=0.0)
+        dst = slots.to(tl.int64)[:, None] * (tl.num_programs(1) * D) + h * D + offs_d[None, :]
+        tl.store(QC + dst, q, mask=in_n[:, None])
+        tl.store(DOC + dst, do, mask=in_n[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -277,9 +288,9 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, ST
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n, sdo_h,
-                sdqa_n, sdqa_h, start, end, qk_scale, window, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
+                sdqa_n, sdqa_h, start, end, qk_scale, window, QD, DOD, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
                 MASK: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, DESC: tl.constexpr):
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     for m0 in range(start, end, BM):
@@ -287,13 +298,19 @@ def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, 
         rows64 = _slot_rows(ROWS, rows, NQ, DENSE_Q).to(tl.int64)  # the packed rows they hold
         if MASK:
             rin = rows < NQ
+        if DESC:  # TMA loads of slot-ordered q and dO (slots past NQ read as zero)
+            qt = QD.load([m0, h * D]).T  # (D, BM)
+            do = DOD.load([m0, h * D])  # (BM, D)
+        elif MASK:
             qt = tl.load(Q + rows64[None, :] * sq_n + h * sq_h + offs_d[:, None], mask=rin[None, :], other=0.0)
             do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=rin[:, None], other=0.0)
-            lse = tl.load(LSE + h * NQ + rows, mask=rin, other=0.0)
-            delta = tl.load(DELTA + h * NQ + rows, mask=rin, other=0.0)
         else:
             qt = tl.load(Q + rows64[None, :] * sq_n + h * sq_h + offs_d[:, None])
             do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :])
+        if MASK:
+            lse = tl.load(LSE + h * NQ + rows, mask=rin, other=0.0)
+            delta = tl.load(DELTA + h * NQ + rows, mask=rin, other=0.0)
+        else:
             lse = tl.load(LSE + h * NQ + rows)
             delta = tl.load(DELTA + h * NQ + rows)
         st = _dot(k, qt, PREC) * qk_scale  # (BN, BM)
@@ -326,10 +343,10 @@ def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, 
 
 @triton.jit(do_not_specialize=["NQ", "NK", "NBK", "NSEQ", "STEPS", "window", "NH", "G"])
 def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q, CU_K, NQ, NK, NBK, NSEQ, STEPS,
-                 window, NH, G, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdk_n, sdk_h, sdv_n, sdv_h,
+                 window, NH, G, QD, DOD, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdk_n, sdk_h, sdv_n, sdv_h,
                  sdqa_n, sdqa_h, qk_scale, scale,
                  WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+                 BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     # 1-D grid of NBK * NH programs in groups of G heads (see _query_block): early key blocks are seen by the
     # most rows, so they go first
     h, pid = _program_head_rank(tl.program_id(0), NBK, NH, G)
@@ -365,11 +382,14 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
-                         sdo_h, sdqa_n, sdqa_h, qa, u0, qk_scale, window, WINDOWED, DENSE_Q, True, ATOMIC_DQ, BM, D, PREC)
+                         sdo_h, sdqa_n, sdqa_h, qa, u0, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, True, ATOMIC_DQ,
+                         BM, D, PREC, DESC)
     dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
-                         sdo_h, sdqa_n, sdqa_h, u0, u1, qk_scale, window, WINDOWED, DENSE_Q, False, ATOMIC_DQ, BM, D, PREC)
+                         sdo_h, sdqa_n, sdqa_h, u0, u1, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, False, ATOMIC_DQ,
+                         BM, D, PREC, DESC)
     dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
-                         sdo_h, sdqa_n, sdqa_h, u1, qz, qk_scale, window, WINDOWED, DENSE_Q, True, ATOMIC_DQ, BM, D, PREC)
+                         sdo_h, sdqa_n, sdqa_h, u1, qz, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, True, ATOMIC_DQ,
+                         BM, D, PREC, DESC)
     tl.store(DK + keys64[:, None] * sdk_n + h * sdk_h + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=kin[:, None])
     tl.store(DV + keys64[:, None] * sdv_n + h * sdv_h + offs_d[None, :], dv.to(DV.dtype.element_ty),
