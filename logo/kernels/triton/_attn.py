@@ -18,8 +18,9 @@ block may straddle sequences. The smallest/largest `first` and `last` of the blo
 so only blocks that can hold a masked element pay for the mask, and keys after the block's largest `last`
 are never touched (paper App. B). The dK/dV kernel runs one program per (KV block, head) and walks the query
 slots that can see the block: masked head blocks, then unmasked blocks, then the masked tail. For sparse
-queries the first slot at/after the block's first and last key come from one `torch.searchsorted` over the
-slots' key indices (dead slots sort last; on the GPU, no host sync); for dense queries they are arithmetic.
+queries the first slot at/after the block's first and last key come from a binary search (`_split_kernel`) over
+the slots' key rows, which the delta kernel writes (dead slots sort last; two launches where the torch ops of
+`key_rows_and_split`, now the reference, were ~14); for dense queries they are arithmetic.
 The grids are 1-D and ordered by work over a group of heads at once (the query blocks that see the most keys,
 the key blocks that the most queries see, first, for every head of the group): with one head after another,
 the last head's longest blocks ran alone at the end of the kernel (at 8k tokens and 16 heads a block can be
@@ -47,7 +48,7 @@ import os
 import torch
 import triton
 
-from logo.kernels.triton._kernels import _delta_kernel, _dkdv_kernel, _dq_kernel, _fwd_kernel
+from logo.kernels.triton._kernels import _delta_kernel, _dkdv_kernel, _dq_kernel, _fwd_kernel, _split_kernel
 
 _LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -168,9 +169,9 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int):
 
 
 def key_rows_and_split(q_pos, rows, cu_q, cu_k, nk, block_n):
-    """Sparse queries: each slot's packed key row (cu_k[seq] + q_pos[row], ascending over the live slots; dead
-    slots get nk, after every key) and, per KV block, the first slot at or after its first key and its last key
-    ((2*NB,) int32), by one searchsorted on the GPU."""
+    """Reference (PyTorch) of what the backward computes in its kernels for sparse queries: each slot's packed key
+    row (cu_k[seq] + q_pos[row], ascending over the live slots; dead slots get nk, after every key) and, per KV
+    block, the first slot at or after its first and its last key ((2*NB,) int32). The tests compare the two."""
     n = rows.shape[0]
     slots = torch.arange(n, device=rows.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_q[1:], slots, right=True).clamp_max(cu_q.shape[0] - 2)
@@ -178,6 +179,9 @@ def key_rows_and_split(q_pos, rows, cu_q, cu_k, nk, block_n):
     starts = torch.arange(0, nk, block_n, device=rows.device, dtype=torch.int32)
     bounds = torch.cat([starts, (starts + block_n - 1).clamp_max(nk - 1)])
     return kidx, torch.searchsorted(kidx, bounds).to(torch.int32)
+
+
+_SPLIT_BLOCK = 128
 
 
 def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, window: int):
@@ -198,8 +202,11 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     compact = bool(c.get("desc")) and not dense_q
     qc, doc = (_empty(*q.shape, like=q), _empty(*q.shape, like=do)) if compact else (q, do)
     qd, dod = _descs(c, c["dkdv"][0], qc, doc)
+    # sparse queries: each slot's key row, written by the delta kernel, then per KV block its first slots
+    kidx = cu_k if dense_q else _empty(n, like=q, dtype=torch.int32)
     _delta_kernel[(triton.cdiv(n, 64), H)](o, do, delta, rows_, cu_q, n, nseq, o.stride(0), o.stride(1),
                                            do.stride(0), do.stride(1), q, qc, doc, q.stride(0), q.stride(1),
+                                           qpos_, cu_k, kidx, nk, steps,
                                            DENSE_Q=dense_q, COMPACT=compact, BM=64, D=D, num_warps=4)
     atomic = c["dq_mode"] == "atomic"
     if atomic:
@@ -217,7 +224,11 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     dv = _empty(*v.shape, like=v)
     BM, BN, warps, stages = c["dkdv"]
     nbk = triton.cdiv(nk, BN)
-    kidx, split = (cu_k, cu_k) if dense_q else key_rows_and_split(q_pos, rows, cu_q, cu_k, nk, BN)
+    split = cu_k
+    if not dense_q:
+        split = _empty(2 * nbk, like=q, dtype=torch.int32)
+        _split_kernel[(triton.cdiv(2 * nbk, _SPLIT_BLOCK),)](kidx, split, n, nk, nbk, n.bit_length(), BN=BN,
+                                                             BLOCK=_SPLIT_BLOCK, num_warps=4)
     _dkdv_kernel[(nbk * H,)](
         q, k, v, do, dk, dv, dq, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk, nseq, steps, window, H,
         head_group(H, q), qd, dod,

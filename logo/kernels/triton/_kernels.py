@@ -210,15 +210,20 @@ def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window
 # ----------------------------------------------------------------------------------------------------------
 # backward: delta = rowsum(dO * O)
 # ----------------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["NQ", "NSEQ"])
+@triton.jit(do_not_specialize=["NQ", "NSEQ", "NK", "STEPS"])
 def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, Q, QC, DOC, sq_n, sq_h,
+                  QPOS, CU_K, KIDX, NK, STEPS,
                   DENSE_Q: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
     """delta per slot (zero for dead slots, so the dK/dV products stay finite there). COMPACT: also copy q and dO
-    into slot order (QC, DOC: contiguous (NQ, H, D), zero for dead slots), for the dK/dV kernel's TMA loads."""
+    into slot order (QC, DOC: contiguous (NQ, H, D), zero for dead slots), for the dK/dV kernel's TMA loads.
+    Sparse queries: the head-0 programs also write each slot's packed key row KIDX (cu_k[seq] + q_pos[row], or NK
+    for dead slots: ascending), which `_split_kernel` searches and the dK/dV kernel's masks read."""
     h = tl.program_id(1)
     slots = tl.program_id(0) * BM + tl.arange(0, BM)
-    ok = slots < _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
-    rows64 = _slot_rows(ROWS, slots, NQ, DENSE_Q).to(tl.int64)
+    nsel = _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
+    ok = slots < nsel
+    rows = _slot_rows(ROWS, slots, NQ, DENSE_Q)
+    rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, D)
     o = tl.load(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], mask=ok[:, None], other=0.0)
     do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -229,6 +234,31 @@ def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, 
         dst = slots.to(tl.int64)[:, None] * (tl.num_programs(1) * D) + h * D + offs_d[None, :]
         tl.store(QC + dst, q, mask=in_n[:, None])
         tl.store(DOC + dst, do, mask=in_n[:, None])
+    if not DENSE_Q:
+        if h == 0:
+            seq = _seq_of(tl.where(ok, slots, 0), CU_Q, NSEQ, STEPS)
+            key = tl.load(CU_K + seq, mask=ok, other=0) + tl.load(QPOS + rows, mask=ok, other=0)
+            tl.store(KIDX + slots, tl.where(ok, key, NK), mask=in_n)
+
+
+@triton.jit(do_not_specialize=["NQ", "NK", "NBK", "QSTEPS"])
+def _split_kernel(KIDX, SPLIT, NQ, NK, NBK, QSTEPS, BN: tl.constexpr, BLOCK: tl.constexpr):
+    """Per KV block b of BN keys, the first query slot whose key row is at or after the block's first key
+    (SPLIT[b]) and its last key (SPLIT[NBK + b]): a lower-bound binary search over the ascending KIDX (NQ,), with
+    QSTEPS = bit_length(NQ) halvings (the same as `torch.searchsorted(kidx, bounds)`)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    blk = tl.where(i < NBK, i, i - NBK)
+    start = blk * BN
+    bound = tl.where(i < NBK, start, tl.minimum(start + BN - 1, NK - 1))
+    lo = tl.zeros_like(i)
+    hi = lo + NQ
+    for _ in range(QSTEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        less = tl.load(KIDX + mid, mask=active, other=0) < bound
+        lo = tl.where(active & less, mid + 1, lo)
+        hi = tl.where(active & ~less, mid, hi)
+    tl.store(SPLIT + i, lo, mask=i < 2 * NBK)
 
 
 # ----------------------------------------------------------------------------------------------------------
