@@ -104,6 +104,16 @@ def causal_fns(cu):
             lambda a, b, c: ref.causal_attention(a, b, c, cu))
 
 
+def case_fns(case, lengths, cu, seed):
+    """(kernel, reference) functions for a case name: "window<w>", "causal", or a selection mode of `select`."""
+    if case.startswith("window"):
+        return window_fns(cu, int(case.removeprefix("window")))
+    if case == "causal":
+        return causal_fns(cu)
+    rows, q_pos, cu_q = select(lengths, case, seed=seed)
+    return qsparse(rows, q_pos, cu_q, cu)
+
+
 def run_both(kernel_fn, ref_fn, inputs, dtype, seed):
     """Forward + backward of the kernel (in `dtype`) and of the reference (float64 copies of the same inputs)."""
     xs = [x.detach().clone().requires_grad_() for x in inputs]
@@ -193,13 +203,7 @@ def atomic_dq():
 def test_atomic_dq_backward_matches_reference(case, dtype, atomic_dq):
     lengths = LENGTHS["with_len1"]
     (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[1], dtype, seed=21)
-    if case.startswith("window"):
-        fns = window_fns(cu, int(case.removeprefix("window")))
-    elif case == "causal":
-        fns = causal_fns(cu)
-    else:
-        rows, q_pos, cu_q = select(lengths, case, seed=8)
-        fns = qsparse(rows, q_pos, cu_q, cu)
+    fns = case_fns(case, lengths, cu, seed=8)
     res = run_both(*fns, [q, k, v], dtype, 3)
     check_all(*res, dtype, f"atomic dQ [{case}]")
 
@@ -224,13 +228,7 @@ def test_tma_loads_equal_pointer_loads(case, dq_mode, monkeypatch):
     depends on the CPU's BLAS kernels and the operands' layout (a descriptor tile is a transposed copy)."""
     lengths = LENGTHS["with_len1"]
     (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[1], torch.float32, seed=5)
-    if case.startswith("window"):
-        fns = window_fns(cu, int(case.removeprefix("window")))
-    elif case == "causal":
-        fns = causal_fns(cu)
-    else:
-        rows, q_pos, cu_q = select(lengths, case, seed=6)
-        fns = qsparse(rows, q_pos, cu_q, cu)
+    fns = case_fns(case, lengths, cu, seed=6)
     g = torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2], device=DEVICE)[..., ::2]  # dO with stride 2 in D
     made = []
     real = _attn._row_desc

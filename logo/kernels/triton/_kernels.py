@@ -235,10 +235,9 @@ def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, 
         tl.store(QC + dst, q, mask=in_n[:, None])
         tl.store(DOC + dst, do, mask=in_n[:, None])
     if not DENSE_Q:
-        if h == 0:
-            seq = _seq_of(tl.where(ok, slots, 0), CU_Q, NSEQ, STEPS)
-            key = tl.load(CU_K + seq, mask=ok, other=0) + tl.load(QPOS + rows, mask=ok, other=0)
-            tl.store(KIDX + slots, tl.where(ok, key, NK), mask=in_n)
+        if h == 0:  # a slot's key row is the last key it sees (`_row_spans`, no window)
+            _, last = _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
+            tl.store(KIDX + slots, tl.where(ok, last, NK), mask=in_n)
 
 
 @triton.jit(do_not_specialize=["NQ", "NK", "NBK", "QSTEPS"])
