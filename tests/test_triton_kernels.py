@@ -223,7 +223,7 @@ def _grads_with(override, fns, inputs, g):
 @pytest.mark.parametrize("case", ["none", "one", "all", "random", "skip_a_seq", "window7", "causal"])
 def test_tma_loads_equal_pointer_loads(case, dq_mode, monkeypatch):
     """`desc` (TMA tiles of K/V in the forward, of q/dO in dK/dV; sparse queries through slot-ordered copies that
-    the delta kernel writes) gives the pointer path's outputs and gradients, with a strided dO: bit for bit on a
+    the backward's first pass writes) gives the pointer path's outputs and gradients, with a strided dO: bit for bit on a
     GPU; under the CPU interpreter to fp32 rounding, since its dots are numpy matmuls whose summation order
     depends on the CPU's BLAS kernels and the operands' layout (a descriptor tile is a transposed copy)."""
     lengths = LENGTHS["with_len1"]
@@ -268,17 +268,19 @@ class _SplitSpy:
         return launch
 
 
+@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 @pytest.mark.parametrize("block_n", [16, 32])
 @pytest.mark.parametrize("mode", ["none", "one", "all", "random", "skip_a_seq"])
 @pytest.mark.parametrize("lengths", [[53], [37, 5, 50], [0, 64, 0, 33, 2, 0]], ids=["one_seq", "docs", "empty_seqs"])
-def test_key_rows_and_split_equal_the_reference(lengths, mode, block_n, monkeypatch):
-    """The backward's per-slot key rows (written by the delta kernel) and per-KV-block first slots (binary search in
-    `_split_kernel`) equal the PyTorch reference `key_rows_and_split` (a searchsorted), also with empty sequences."""
+def test_key_rows_and_split_equal_the_reference(lengths, mode, block_n, dq_mode, monkeypatch):
+    """The backward's per-slot key rows (written with delta: by the dQ kernel's prologue, or by the delta kernel
+    for atomic dQ) and per-KV-block first slots (binary search in `_split_kernel`) equal the PyTorch reference
+    `key_rows_and_split` (a searchsorted), also with empty sequences."""
     (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[0], torch.float32, seed=9)
     rows, q_pos, cu_q = select(lengths, mode, seed=9)
     spy = _SplitSpy(_attn._split_kernel)
     monkeypatch.setattr(_attn, "_split_kernel", spy)
-    monkeypatch.setitem(_attn.CONFIG_OVERRIDE, ("global",), {"dkdv": (16, block_n, 4, 1)})
+    monkeypatch.setitem(_attn.CONFIG_OVERRIDE, ("global",), {"dkdv": (16, block_n, 4, 1), "dq_mode": dq_mode})
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     ops.query_sparse_attention(*xs, q_pos, rows, cu_q, cu, use_triton=True).sum().backward()
     (kidx, split, bn), = spy.seen

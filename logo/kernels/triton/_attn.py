@@ -19,8 +19,8 @@ so only blocks that can hold a masked element pay for the mask, and keys after t
 are never touched (paper App. B). The dK/dV kernel runs one program per (KV block, head) and walks the query
 slots that can see the block: masked head blocks, then unmasked blocks, then the masked tail. For sparse
 queries the first slot at/after the block's first and last key come from a binary search (`_split_kernel`) over
-the slots' key rows, which the delta kernel writes (dead slots sort last; two launches where the torch ops of
-`key_rows_and_split`, now the reference, were ~14); for dense queries they are arithmetic.
+the slots' key rows, which the backward's first pass writes (dead slots sort last; two launches where the torch
+ops of `key_rows_and_split`, now the reference, were ~14); for dense queries they are arithmetic.
 The grids are 1-D and ordered by work over a group of heads at once (the query blocks that see the most keys,
 the key blocks that the most queries see, first, for every head of the group): with one head after another,
 the last head's longest blocks ran alone at the end of the kernel (at 8k tokens and 16 heads a block can be
@@ -29,12 +29,15 @@ faster than every head at once at 32k-64k). `head_group` sizes the group.
 
 dQ has two strategies (`dq_mode`): "separate" recomputes P and dP in a dQ kernel that mirrors the forward
 (7 matmuls per tile pair in the backward, deterministic); "atomic" adds dS K into an fp32 buffer from the
-dK/dV kernel (5 matmuls plus atomic traffic; summation order varies run to run).
+dK/dV kernel (5 matmuls plus atomic traffic; summation order varies run to run). The dK/dV kernel also needs
+delta = rowsum(dO * O) per slot (and, for sparse queries, the key rows and slot-ordered copies below): the dQ
+kernel, which loads each slot's q and dO once anyway, writes them in its prologue; the atomic strategy runs them
+as a pass of their own (`_delta_kernel`). A separate pass cost ~37 us per call at 1.5B/8k (reading O and dO).
 
 TMA (`desc`, on from Hopper at D=128): the forward loads its K/V tiles and the dK/dV kernel its q/dO tiles through
 tensor descriptors over (rows, H * D) views instead of per-thread pointers. Sparse queries are scattered rows, which
-a descriptor cannot gather, so the delta kernel (which reads O and dO per slot anyway) also writes q and dO in slot
-order for the dK/dV kernel: two (N, H, D) copies per backward for ~8% less backward time at 8k tokens. The dQ
+a descriptor cannot gather, so the first backward pass (which reads q and dO per slot anyway) also writes them in
+slot order for the dK/dV kernel: two (N, H, D) copies per backward for ~8% less backward time at 8k tokens. The dQ
 kernel loads its q/dO once per program and gained nothing from descriptors (not used there).
 
 All accumulation is float32; scores use exp2 with log2(e) folded into the scale; the log-sum-exp is kept in
@@ -198,28 +201,29 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     qpos_ = cu_q if dense_q else q_pos
     nseq, steps = _steps(cu_q)
     delta = _empty(H, n, like=q, dtype=torch.float32)
-    # TMA loads of q and dO in the dK/dV kernel: sparse queries read slot-ordered copies that the delta kernel writes
+    # TMA loads of q and dO in the dK/dV kernel: sparse queries read slot-ordered copies written with delta
     compact = bool(c.get("desc")) and not dense_q
     qc, doc = (_empty(*q.shape, like=q), _empty(*q.shape, like=do)) if compact else (q, do)
     qd, dod = _descs(c, c["dkdv"][0], qc, doc)
-    # sparse queries: each slot's key row, written by the delta kernel, then per KV block its first slots
+    # sparse queries: each slot's key row (written with delta), then per KV block its first slots
     kidx = cu_k if dense_q else _empty(n, like=q, dtype=torch.int32)
-    _delta_kernel[(triton.cdiv(n, 64), H)](o, do, delta, rows_, cu_q, n, nseq, o.stride(0), o.stride(1),
-                                           do.stride(0), do.stride(1), q, qc, doc, q.stride(0), q.stride(1),
-                                           qpos_, cu_k, kidx, nk, steps,
-                                           DENSE_Q=dense_q, COMPACT=compact, BM=64, D=D, num_warps=4)
     atomic = c["dq_mode"] == "atomic"
-    if atomic:
+    if atomic:  # delta, the copies and the key rows in their own pass; dQ from the dK/dV kernel
+        _delta_kernel[(triton.cdiv(n, 64), H)](o, do, delta, rows_, cu_q, n, nseq, o.stride(0), o.stride(1),
+                                               do.stride(0), do.stride(1), q, qc, doc, q.stride(0), q.stride(1),
+                                               qpos_, cu_k, kidx, nk, steps,
+                                               DENSE_Q=dense_q, COMPACT=compact, BM=64, D=D, num_warps=4)
         dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    else:
+    else:  # the dQ kernel writes delta, the copies and the key rows in its prologue
         dq = _empty(*q.shape, like=q)
         BM, BN, warps, stages = c["dq"]
         nb = triton.cdiv(n, BM)
         _dq_kernel[(nb * H,)](
-            q, k, v, do, dq, lse, delta, rows_, qpos_, cu_q, cu_k, n, nseq, steps, window, nb, H, head_group(H, k),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-            dq.stride(0), dq.stride(1), scale * _LOG2E, scale,
-            WINDOWED=window > 0, DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=prec, num_warps=warps, num_stages=stages)
+            q, k, v, o, do, dq, lse, delta, qc, doc, kidx, rows_, qpos_, cu_q, cu_k, n, nseq, nk, steps, window, nb,
+            H, head_group(H, k), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), scale * _LOG2E, scale,
+            WINDOWED=window > 0, DENSE_Q=dense_q, COMPACT=compact, BM=BM, BN=BN, D=D, PREC=prec, num_warps=warps,
+            num_stages=stages)
     dk = _empty(*k.shape, like=k)
     dv = _empty(*v.shape, like=v)
     BM, BN, warps, stages = c["dkdv"]

@@ -208,16 +208,37 @@ def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window
 
 
 # ----------------------------------------------------------------------------------------------------------
-# backward: delta = rowsum(dO * O)
+# backward: delta = rowsum(dO * O), the slot-ordered copies and the key rows (in the dQ kernel's prologue, or
+# in a pass of their own for the atomic-dQ backward)
 # ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _delta_and_copies(o, do, q, slots, ok, last, h, H, NQ, NK, DELTA, QC, DOC, KIDX, DENSE_Q: tl.constexpr,
+                      COMPACT: tl.constexpr, D: tl.constexpr):
+    """The backward's per-slot inputs of a block of query slots of head h (of H), from its o, dO and q tiles
+    (BM, D) (zero rows for dead slots): delta = rowsum(dO * O) into DELTA (returned; zero for dead slots, so
+    the dK/dV products stay finite there); with COMPACT, q and dO copied into slot order (QC, DOC: contiguous
+    (NQ, H, D)) for the dK/dV kernel's TMA loads; for sparse queries, head 0 writes each slot's packed key row
+    KIDX (its `last` key, or NK for dead slots: ascending), which `_split_kernel` searches and the dK/dV
+    kernel's masks read."""
+    in_n = slots < NQ
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h * NQ + slots, delta, mask=in_n)
+    if COMPACT:
+        dst = slots.to(tl.int64)[:, None] * (H * D) + h * D + tl.arange(0, D)[None, :]
+        tl.store(QC + dst, q, mask=in_n[:, None])
+        tl.store(DOC + dst, do, mask=in_n[:, None])
+    if not DENSE_Q:
+        if h == 0:
+            tl.store(KIDX + slots, tl.where(ok, last, NK), mask=in_n)
+    return delta
+
+
 @triton.jit(do_not_specialize=["NQ", "NSEQ", "NK", "STEPS"])
 def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, Q, QC, DOC, sq_n, sq_h,
                   QPOS, CU_K, KIDX, NK, STEPS,
                   DENSE_Q: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
-    """delta per slot (zero for dead slots, so the dK/dV products stay finite there). COMPACT: also copy q and dO
-    into slot order (QC, DOC: contiguous (NQ, H, D), zero for dead slots), for the dK/dV kernel's TMA loads.
-    Sparse queries: the head-0 programs also write each slot's packed key row KIDX (cu_k[seq] + q_pos[row], or NK
-    for dead slots: ascending), which `_split_kernel` searches and the dK/dV kernel's masks read."""
+    """`_delta_and_copies` over a (slots, head) grid, for the atomic-dQ backward (the separate dQ kernel does the
+    same in its prologue)."""
     h = tl.program_id(1)
     slots = tl.program_id(0) * BM + tl.arange(0, BM)
     nsel = _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
@@ -227,17 +248,14 @@ def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, 
     offs_d = tl.arange(0, D)
     o = tl.load(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], mask=ok[:, None], other=0.0)
     do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-    in_n = slots < NQ
-    tl.store(DELTA + h * NQ + slots, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=in_n)
+    q = do  # read only with COMPACT
     if COMPACT:
         q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-        dst = slots.to(tl.int64)[:, None] * (tl.num_programs(1) * D) + h * D + offs_d[None, :]
-        tl.store(QC + dst, q, mask=in_n[:, None])
-        tl.store(DOC + dst, do, mask=in_n[:, None])
+    last = slots  # a slot's key row is the last key it sees (`_row_spans`, no window); read only for sparse queries
     if not DENSE_Q:
-        if h == 0:  # a slot's key row is the last key it sees (`_row_spans`, no window)
-            _, last = _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
-            tl.store(KIDX + slots, tl.where(ok, last, NK), mask=in_n)
+        _, last = _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
+    _delta_and_copies(o, do, q, slots, ok, last, h, tl.num_programs(1), NQ, NK, DELTA, QC, DOC, KIDX, DENSE_Q,
+                      COMPACT, D)
 
 
 @triton.jit(do_not_specialize=["NQ", "NK", "NBK", "QSTEPS"])
@@ -285,19 +303,23 @@ def _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, st
     return dq
 
 
-@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window", "NB", "NH", "G"])
-def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G,
-               sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdq_n, sdq_h, qk_scale, scale,
-               WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               D: tl.constexpr, PREC: tl.constexpr):
+@triton.jit(do_not_specialize=["NQ", "NSEQ", "NK", "STEPS", "window", "NB", "NH", "G"])
+def _dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, QC, DOC, KIDX, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, NK, STEPS, window,
+               NB, NH, G, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, sdo_n, sdo_h, sdq_n, sdq_h, qk_scale, scale,
+               WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    """dQ of the block's slots; its prologue also writes what the dK/dV kernel reads (`_delta_and_copies`), which
+    the grid covers slot by slot and head by head (dead blocks included), so no separate delta pass is needed."""
     h, slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(
         ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WINDOWED, DENSE_Q, BM, BN)
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = _delta_and_copies(o, do, q, slots, row_ok, last, h, NH, NQ, NK, DELTA, QC, DOC, KIDX, DENSE_Q,
+                              COMPACT, D)
     lse = tl.load(LSE + h * NQ + slots, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + h * NQ + slots, mask=row_ok, other=0.0)
     k_head = K + h * sk_h
     v_head = V + h * sv_h
     dq = tl.zeros([BM, D], tl.float32)
