@@ -251,9 +251,10 @@ def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, 
     q = do  # read only with COMPACT
     if COMPACT:
         q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-    last = slots  # a slot's key row is the last key it sees (`_row_spans`, no window); read only for sparse queries
+    last = slots  # read only by head 0 with sparse queries: a slot's key row, the last key it sees (`_row_spans`)
     if not DENSE_Q:
-        _, last = _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
+        if h == 0:
+            _, last = _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
     _delta_and_copies(o, do, q, slots, ok, last, h, tl.num_programs(1), NQ, NK, DELTA, QC, DOC, KIDX, DENSE_Q,
                       COMPACT, D)
 
