@@ -223,9 +223,9 @@ def _grads_with(override, fns, inputs, g):
 @pytest.mark.parametrize("case", ["none", "one", "all", "random", "skip_a_seq", "window7", "causal"])
 def test_tma_loads_equal_pointer_loads(case, dq_mode, monkeypatch):
     """`desc` (TMA tiles of K/V in the forward, of q/dO in dK/dV; sparse queries through slot-ordered copies that
-    the backward's first pass writes) gives the pointer path's outputs and gradients, with a strided dO: bit for bit on a
-    GPU; under the CPU interpreter to fp32 rounding, since its dots are numpy matmuls whose summation order
-    depends on the CPU's BLAS kernels and the operands' layout (a descriptor tile is a transposed copy)."""
+    the backward's first pass writes) gives the pointer path's outputs and gradients, with a strided dO: bit for
+    bit on a GPU; under the CPU interpreter to fp32 rounding, since its dots are numpy matmuls whose summation
+    order depends on the CPU's BLAS kernels and the operands' layout (a descriptor tile is a transposed copy)."""
     lengths = LENGTHS["with_len1"]
     (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[1], torch.float32, seed=5)
     fns = case_fns(case, lengths, cu, seed=6)
