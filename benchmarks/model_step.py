@@ -167,7 +167,37 @@ def profile_kernels(step, n: int, top: int = 40) -> dict:
                    if e.device_type == DeviceType.CPU), key=lambda r: -r[1])
     return {"steps": n, "wall_ms_per_step": 1e3 * wall, "gpu_busy_ms_per_step": sum(r[1] for r in rows),
             "top_kernels": [{"name": k[:160], "ms": round(ms, 3), "calls": c} for k, ms, c in rows[:top]],
-            "top_host_ops": [{"name": k[:160], "self_ms": round(ms, 3), "calls": c} for k, ms, c in host[:top]]}
+            "top_host_ops": [{"name": k[:160], "self_ms": round(ms, 3), "calls": c} for k, ms, c in host[:top]],
+            **(idle_gaps(prof, n, top // 2) if cuda else {})}
+
+
+def idle_gaps(prof, n: int, top: int) -> dict:
+    """Where the GPU waits between the profiled steps' kernels: the idle time per step (gaps between consecutive
+    kernels, copies and memsets on the GPU timeline) and the `top` (kernel before, kernel after) pairs by the idle
+    time between them (a host-bound stretch shows as many short gaps before the same kernels)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "?")) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
+    pairs: dict = {}
+    total = 0.0
+    end = gpu[0][1] if gpu else 0.0
+    prev = gpu[0][2] if gpu else ""
+    for start, stop, name in gpu[1:]:
+        gap = start - end
+        if gap > 0:
+            total += gap
+            key = (prev[:60], name[:60])
+            t, c = pairs.get(key, (0.0, 0))
+            pairs[key] = (t + gap, c + 1)
+        if stop >= end:
+            end, prev = stop, name
+    worst = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"gpu_idle_ms_per_step": total / 1e3 / n,
+            "idle_gaps": [{"before": a, "after": b, "ms": round(t / 1e3 / n, 4), "gaps": c / n}
+                          for (a, b), (t, c) in worst]}
 
 
 def worker(args) -> None:
@@ -276,7 +306,8 @@ def parse_args(argv=None):
                     help="R rounds of every kind, each run in a fresh process: the table shows the median and range "
                          "of ms/step and the median of the per-round ratios to full attention (for noisy shapes)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="N more steps under torch.profiler: GPU busy time and the top kernels per step in the JSON")
+                    help="N more steps under torch.profiler: GPU busy and idle time, the top kernels and host ops "
+                         "and the largest idle gaps (by the kernels before and after) per step in the JSON")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (shape, kind) run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a train.py override for every run (repeatable), e.g. attention.recompute_branch_inputs=never")

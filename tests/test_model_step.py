@@ -101,3 +101,23 @@ def test_repeats_must_be_positive():
     p = subprocess.run([sys.executable, "benchmarks/model_step.py", "--repeats", "0"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--repeats must be >= 1" in p.stderr
+
+
+def test_idle_gaps_sum_the_gpu_timeline_gaps_by_kernel_pair():
+    """Gaps between kernels, copies and memsets (not CPU events), overlaps counted once, per profiled step."""
+    model_step = _model_step_module()
+    events = [dict(cat="kernel", name="a", ts=0, dur=10), dict(cat="kernel", name="b", ts=15, dur=5),
+              dict(cat="cpu_op", name="host", ts=20, dur=100), dict(cat="gpu_memset", name="m", ts=30, dur=2),
+              dict(cat="kernel", name="a", ts=40, dur=30), dict(cat="kernel", name="c", ts=45, dur=5),
+              dict(cat="kernel", name="b", ts=80, dur=1)]
+
+    class Prof:
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+    out = model_step.idle_gaps(Prof(), n=2, top=5)
+    # gaps: a->b 5, b->m 10, m->a 8, a->b 10 (c ends inside a): 33 us over 2 steps
+    assert out["gpu_idle_ms_per_step"] == pytest.approx(33 / 1e3 / 2)
+    got = {(g["before"], g["after"]): (g["ms"], g["gaps"]) for g in out["idle_gaps"]}
+    assert got == {("a", "b"): (0.0075, 1.0), ("b", "m"): (0.005, 0.5), ("m", "a"): (0.004, 0.5)}

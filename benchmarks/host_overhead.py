@@ -1,0 +1,131 @@
+"""Host time per call of LoGo's custom ops (GPU): the Python a compiled or eager step spends per layer before the
+kernels reach the GPU. A step whose kernels are short waits for this time (docs/benchmarks.md, Session 16).
+
+    python benchmarks/host_overhead.py [--rows 1024] [--heads 16] [--dim 128] [--profile] [--out results.json]
+
+Per op: the median host time of one call (perf_counter around the call, the GPU drained between batches so its
+queue never fills), through the custom op and through the Triton host function it wraps; --profile adds cProfile's
+top functions by own time for each op (where the host time goes: our Python, Triton's launcher, allocations).
+The rows are few so the GPU finishes every call quickly; the host time does not depend on the row count.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def host_us(fn, calls: int = 300, batch: int = 20) -> float:
+    """Median host time of fn() in microseconds."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if i % batch == batch - 1:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def top_functions(fn, calls: int = 100, top: int = 18) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
+def cases(n: int, H: int, D: int) -> dict:
+    """name -> (custom-op call, Triton host-function call) at the 1.5B layer's layout."""
+    from logo.kernels import ops
+    from logo.kernels.triton import _attn, _fuse, _rope
+
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = [torch.randn(n, H, D, device=dev, dtype=dt, generator=g) for _ in range(6)]
+    q, k, v, do, ol, og = x
+    rows = torch.randperm(n, device=dev, generator=g).to(torch.int32)
+    nsel = n // 2
+    rows = torch.cat([rows[:nsel].sort().values, rows[nsel:].sort().values])
+    pos = torch.arange(n, device=dev, dtype=torch.int32)
+    cu_q = torch.tensor([0, nsel], device=dev, dtype=torch.int32)
+    cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
+    scale = D ** -0.5
+    o_s, lse_s = _attn.attn_forward(q, k, v, pos, rows, cu_q, cu, scale, 0)
+    o_w, lse_w = _attn.attn_forward(q, k, v, None, None, cu, cu, scale, 128)
+    A = torch.eye(D, device=dev).expand(3, H, D, D).contiguous()
+    cos = torch.randn(n, D // 2, device=dev)
+    sin = torch.randn(n, D // 2, device=dev)
+    p = torch.rand(n, device=dev)
+    z = p > 0.5
+    w = torch.ones(H, D, device=dev)
+    ys = _rope.rope_transform_forward(q, k, v, A, cos, sin)
+    return {
+        "attention fwd, query-sparse": (
+            lambda: ops.range_attention_fwd(q, k, v, pos, rows, cu_q, cu, scale, 0, True),
+            lambda: _attn.attn_forward(q, k, v, pos, rows, cu_q, cu, scale, 0)),
+        "attention bwd, query-sparse": (
+            lambda: ops.range_attention_bwd(do, q, k, v, o_s, lse_s, pos, rows, cu_q, cu, scale, 0, True),
+            lambda: _attn.attn_backward(do, q, k, v, o_s, lse_s, pos, rows, cu_q, cu, scale, 0)),
+        "attention fwd, window": (
+            lambda: ops.range_attention_fwd(q, k, v, None, None, cu, cu, scale, 128, True),
+            lambda: _attn.attn_forward(q, k, v, None, None, cu, cu, scale, 128)),
+        "attention bwd, window": (
+            lambda: ops.range_attention_bwd(do, q, k, v, o_w, lse_w, None, None, cu, cu, scale, 128, True),
+            lambda: _attn.attn_backward(do, q, k, v, o_w, lse_w, None, None, cu, cu, scale, 128)),
+        "rope_transform fwd": (
+            lambda: ops.rope_transform_fwd(q, k, v, A, cos, sin, True),
+            lambda: _rope.rope_transform_forward(q, k, v, A, cos, sin)),
+        "rope_transform bwd": (
+            lambda: ops.rope_transform_bwd(*ys, q, k, v, A, cos, sin, True),
+            lambda: _rope.rope_transform_backward(*ys, q, k, v, A, cos, sin)),
+        "context_fuse fwd": (
+            lambda: ops.context_fuse_fwd(ol, og, p, z, w, w, 1e-6, True, True),
+            lambda: _fuse.context_fuse_forward(ol, og, p, z, w, w, 1e-6, True)),
+        "context_fuse bwd": (
+            lambda: ops.context_fuse_bwd(do, ol, og, p, z, w, w, 1e-6, True, True),
+            lambda: _fuse.context_fuse_backward(do, ol, og, p, z, w, w, 1e-6, True)),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--profile", action="store_true", help="cProfile's top functions per op")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    results = []
+    for name, (op_call, host_call) in cases(args.rows, args.heads, args.dim).items():
+        row = dict(op=name, custom_op_us=round(host_us(op_call), 1), host_function_us=round(host_us(host_call), 1))
+        results.append(row)
+        print(f"{name:32s} custom op {row['custom_op_us']:7.1f} us   host function {row['host_function_us']:7.1f} us",
+              flush=True)
+        if args.profile:
+            row["profile"] = top_functions(op_call)
+            print(row["profile"], flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
