@@ -28,6 +28,9 @@ Writes the JSON to --out and prints one markdown table per shape. `--repeats R` 
 (each run a fresh process; rows carry their round as "repeat"): the table then shows the median and range of
 ms/step and the median of each round's ratio to full attention. The small shape's step under CUDA graphs
 varied by up to 40% between processes of the same code on the GPU machines (docs/benchmarks.md, Session 11).
+`--profile N` times N more steps under torch.profiler (back to back, no sync between them) and adds per step: GPU
+busy time, the top kernels and host ops, the GPU's idle time and its largest idle gaps by the kernels on either side
+(where a host-bound stretch makes the GPU wait; docs/benchmarks.md, Session 16).
 """
 from __future__ import annotations
 
