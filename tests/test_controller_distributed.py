@@ -64,6 +64,7 @@ def _worker(rank, port, out_dir, fsdp, budget_control="threshold"):
         ctrl = BudgetController(model, process_group=dist.group.WORLD)
         hist = run_steps(model, ctrl, lambda s: global_batch(s).chunk(2)[rank])
         torch.save(hist, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # both ranks done with every collective before either tears its group down
     finally:
         dist.destroy_process_group()
 

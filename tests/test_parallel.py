@@ -73,6 +73,7 @@ def _worker(rank, port, out_dir, layout, kind):
                 dist.all_reduce(g)
         torch.save({"loss": loss.detach(), "grads": grads, "routing": out.routing},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank done with every collective before any tears its group down
     finally:
         dist.destroy_process_group()
 
