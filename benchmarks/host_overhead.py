@@ -54,14 +54,14 @@ def top_functions(fn, calls: int = 100, top: int = 18) -> str:
 
 
 def cases(n: int, H: int, D: int) -> dict:
-    """name -> (custom-op call, Triton host-function call) at the 1.5B layer's layout."""
+    """name -> (custom op, the Triton host function it wraps, their shared arguments) at the 1.5B layer's layout;
+    the op takes one argument more, use_triton (True)."""
     from logo.kernels import ops
     from logo.kernels.triton import _attn, _fuse, _rope
 
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    x = [torch.randn(n, H, D, device=dev, dtype=dt, generator=g) for _ in range(6)]
-    q, k, v, do, ol, og = x
+    q, k, v, do, ol, og = (torch.randn(n, H, D, device=dev, dtype=dt, generator=g) for _ in range(6))
     rows = torch.randperm(n, device=dev, generator=g).to(torch.int32)
     nsel = n // 2
     rows = torch.cat([rows[:nsel].sort().values, rows[nsel:].sort().values])
@@ -69,8 +69,8 @@ def cases(n: int, H: int, D: int) -> dict:
     cu_q = torch.tensor([0, nsel], device=dev, dtype=torch.int32)
     cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
     scale = D ** -0.5
-    o_s, lse_s = _attn.attn_forward(q, k, v, pos, rows, cu_q, cu, scale, 0)
-    o_w, lse_w = _attn.attn_forward(q, k, v, None, None, cu, cu, scale, 128)
+    sparse = (pos, rows, cu_q, cu, scale, 0)
+    window = (None, None, cu, cu, scale, 128)
     A = torch.eye(D, device=dev).expand(3, H, D, D).contiguous()
     cos = torch.randn(n, D // 2, device=dev)
     sin = torch.randn(n, D // 2, device=dev)
@@ -79,30 +79,17 @@ def cases(n: int, H: int, D: int) -> dict:
     w = torch.ones(H, D, device=dev)
     ys = _rope.rope_transform_forward(q, k, v, A, cos, sin)
     return {
-        "attention fwd, query-sparse": (
-            lambda: ops.range_attention_fwd(q, k, v, pos, rows, cu_q, cu, scale, 0, True),
-            lambda: _attn.attn_forward(q, k, v, pos, rows, cu_q, cu, scale, 0)),
-        "attention bwd, query-sparse": (
-            lambda: ops.range_attention_bwd(do, q, k, v, o_s, lse_s, pos, rows, cu_q, cu, scale, 0, True),
-            lambda: _attn.attn_backward(do, q, k, v, o_s, lse_s, pos, rows, cu_q, cu, scale, 0)),
-        "attention fwd, window": (
-            lambda: ops.range_attention_fwd(q, k, v, None, None, cu, cu, scale, 128, True),
-            lambda: _attn.attn_forward(q, k, v, None, None, cu, cu, scale, 128)),
-        "attention bwd, window": (
-            lambda: ops.range_attention_bwd(do, q, k, v, o_w, lse_w, None, None, cu, cu, scale, 128, True),
-            lambda: _attn.attn_backward(do, q, k, v, o_w, lse_w, None, None, cu, cu, scale, 128)),
-        "rope_transform fwd": (
-            lambda: ops.rope_transform_fwd(q, k, v, A, cos, sin, True),
-            lambda: _rope.rope_transform_forward(q, k, v, A, cos, sin)),
-        "rope_transform bwd": (
-            lambda: ops.rope_transform_bwd(*ys, q, k, v, A, cos, sin, True),
-            lambda: _rope.rope_transform_backward(*ys, q, k, v, A, cos, sin)),
-        "context_fuse fwd": (
-            lambda: ops.context_fuse_fwd(ol, og, p, z, w, w, 1e-6, True, True),
-            lambda: _fuse.context_fuse_forward(ol, og, p, z, w, w, 1e-6, True)),
-        "context_fuse bwd": (
-            lambda: ops.context_fuse_bwd(do, ol, og, p, z, w, w, 1e-6, True, True),
-            lambda: _fuse.context_fuse_backward(do, ol, og, p, z, w, w, 1e-6, True)),
+        "attention fwd, query-sparse": (ops.range_attention_fwd, _attn.attn_forward, (q, k, v, *sparse)),
+        "attention bwd, query-sparse": (ops.range_attention_bwd, _attn.attn_backward,
+                                        (do, q, k, v, *_attn.attn_forward(q, k, v, *sparse), *sparse)),
+        "attention fwd, window": (ops.range_attention_fwd, _attn.attn_forward, (q, k, v, *window)),
+        "attention bwd, window": (ops.range_attention_bwd, _attn.attn_backward,
+                                  (do, q, k, v, *_attn.attn_forward(q, k, v, *window), *window)),
+        "rope_transform fwd": (ops.rope_transform_fwd, _rope.rope_transform_forward, (q, k, v, A, cos, sin)),
+        "rope_transform bwd": (ops.rope_transform_bwd, _rope.rope_transform_backward, (*ys, q, k, v, A, cos, sin)),
+        "context_fuse fwd": (ops.context_fuse_fwd, _fuse.context_fuse_forward, (ol, og, p, z, w, w, 1e-6, True)),
+        "context_fuse bwd": (ops.context_fuse_bwd, _fuse.context_fuse_backward,
+                             (do, ol, og, p, z, w, w, 1e-6, True)),
     }
 
 
@@ -115,7 +102,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     results = []
-    for name, (op_call, host_call) in cases(args.rows, args.heads, args.dim).items():
+    for name, (op, host_fn, op_args) in cases(args.rows, args.heads, args.dim).items():
+        def op_call():
+            return op(*op_args, True)
+
+        def host_call():
+            return host_fn(*op_args)
+
         row = dict(op=name, custom_op_us=round(host_us(op_call), 1), host_function_us=round(host_us(host_call), 1))
         results.append(row)
         print(f"{name:32s} custom op {row['custom_op_us']:7.1f} us   host function {row['host_function_us']:7.1f} us",
