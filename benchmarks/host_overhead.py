@@ -1,7 +1,7 @@
 """Host time per call of LoGo's custom ops (GPU): the Python a compiled or eager step spends per layer before the
 kernels reach the GPU. A step whose kernels are short waits for this time (docs/benchmarks.md, Session 16).
 
-    python benchmarks/host_overhead.py [--rows 1024] [--heads 16] [--dim 128] [--profile] [--out results.json]
+    python benchmarks/host_overhead.py [--rows 1024] [--heads 16] [--dim 128] [--profile] [--ops NAME] [--out F]
 
 Per op: the median host time of one call (perf_counter around the call, the GPU drained between batches so its
 queue never fills), through the custom op and through the Triton host function it wraps; --profile adds cProfile's
@@ -41,7 +41,7 @@ def host_us(fn, calls: int = 300, batch: int = 20) -> float:
     return 1e6 * statistics.median(times)
 
 
-def top_functions(fn, calls: int = 100, top: int = 18) -> str:
+def top_functions(fn, calls: int = 100, top: int = 30) -> str:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -56,7 +56,7 @@ def top_functions(fn, calls: int = 100, top: int = 18) -> str:
 def cases(n: int, H: int, D: int) -> dict:
     """name -> (custom op, the Triton host function it wraps, their shared arguments) at the 1.5B layer's layout;
     the op takes one argument more, use_triton (True)."""
-    from logo.kernels import ops
+    from logo.kernels import branches, ops
     from logo.kernels.triton import _attn, _fuse, _rope
 
     dev, dt = "cuda", torch.bfloat16
@@ -78,6 +78,8 @@ def cases(n: int, H: int, D: int) -> dict:
     z = p > 0.5
     w = torch.ones(H, D, device=dev)
     ys = _rope.rope_transform_forward(q, k, v, A, cos, sin)
+    both = (q, k, v, A, cos, sin, pos, rows, cu_q, cu, scale, 128)  # logo_branches_fwd's, before keep_rotated
+    outs = branches.branches_forward(*both, True)
     return {
         "attention fwd, query-sparse": (ops.range_attention_fwd, _attn.attn_forward, (q, k, v, *sparse)),
         "attention bwd, query-sparse": (ops.range_attention_bwd, _attn.attn_backward,
@@ -87,6 +89,12 @@ def cases(n: int, H: int, D: int) -> dict:
                                   (do, q, k, v, *_attn.attn_forward(q, k, v, *window), *window)),
         "rope_transform fwd": (ops.rope_transform_fwd, _rope.rope_transform_forward, (q, k, v, A, cos, sin)),
         "rope_transform bwd": (ops.rope_transform_bwd, _rope.rope_transform_backward, (*ys, q, k, v, A, cos, sin)),
+        # the pair replacing rope_transform and both attention ops (3 op calls forward, 4 backward); the host
+        # function is the op's body, so it is the body's own figure that adds up the three or four above
+        "logo_branches fwd": (branches.logo_branches_fwd, lambda *a: branches.branches_forward(*a[:-1], True),
+                              (*both, False)),
+        "logo_branches bwd (recompute)": (branches.logo_branches_bwd, lambda *a: branches.branches_backward(*a, True),
+                                          (do, do, q, k, v, A, cos, sin, *outs[:4], [], *both[6:])),
         "context_fuse fwd": (ops.context_fuse_fwd, _fuse.context_fuse_forward, (ol, og, p, z, w, w, 1e-6, True)),
         "context_fuse bwd": (ops.context_fuse_bwd, _fuse.context_fuse_backward,
                              (do, ol, og, p, z, w, w, 1e-6, True)),
@@ -99,10 +107,13 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="cProfile's top functions per op")
+    ap.add_argument("--ops", default="", help="only the ops whose name contains this text")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     results = []
     for name, (op, host_fn, op_args) in cases(args.rows, args.heads, args.dim).items():
+        if args.ops not in name:
+            continue
         def op_call():
             return op(*op_args, True)
 

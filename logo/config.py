@@ -69,6 +69,10 @@ class AttentionConfig:
     # LP transforms on the Triton backend: RoPE of q, k and of their global transforms in one kernel per tensor
     # (logo/kernels/triton/_rope.py); false runs the unfused batched matmuls and RoPEs (same math, rounded twice).
     fuse_rope: bool = True
+    # With fuse_rope: the RoPE + transforms and both attention branches as one custom op each way
+    # (logo/kernels/branches.py: fewer op calls, hence less host time per layer); false calls them as three ops
+    # forward and four backward (same kernels and values, v's gradient added separately).
+    fuse_branches: bool = True
     # ContextNorm on the Triton backend: both head-wise RMSNorms and the fusion in one kernel each way
     # (logo/kernels/triton/_fuse.py); false runs the PyTorch expression (same math and roundings).
     fuse_context_norm: bool = True

@@ -187,7 +187,8 @@ def _layer(fused: bool, recompute: str = "never"):
     torch.manual_seed(0)
     cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1,
                       attention=AttentionConfig(kind="logo", window=8, backend="triton", gate_init_std=0.5,
-                                                recompute_branch_inputs=recompute, fuse_rope=fused))
+                                                recompute_branch_inputs=recompute, fuse_rope=fused,
+                                                fuse_branches=False))  # the op on its own (test_logo_branches.py)
     layer = LoGoAttention(cfg).to(DEVICE)
     layer.init_weights(0.5, 0.5)
     with torch.no_grad():  # a transform away from identity, so its gradient and product matter

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from logo.kernels import ops
+from logo.kernels import branches, ops
 
 try:  # Triton missing or broken: the reference still works
     from logo.kernels import triton as _triton_ops  # noqa: F401
@@ -115,6 +115,21 @@ def rope_transform(q, k, v, A, cos, sin, backend: str = "auto"):
     """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2 in one pass (logo::rope_transform_fwd); see
     `fuses_rope_transform`."""
     return ops.rope_transform(q, k, v, A, cos, sin, use_triton=_use_triton(q, backend))
+
+
+def fuses_branches(x, A, backend: str = "auto") -> bool:
+    """Whether `logo_branches` (both branches and their inputs as one op pair) runs for x (N, H, D) and A: where
+    the fused RoPE + transform does (`fuses_rope_transform`) and no `override` is active (context parallelism
+    adds its communication around the separate attention ops)."""
+    return _override is None and fuses_rope_transform(x, A, backend)
+
+
+def logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window: int, keep_rotated: bool,
+                  backend: str = "auto"):
+    """The LoGo layer's RoPE + transforms and both attention branches in one op call each way
+    (logo::logo_branches_fwd): o_local, o_global (N, H, D); see `fuses_branches`."""
+    return branches.logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window,
+                                  keep_rotated, use_triton=_use_triton(q, backend))
 
 
 # The ops without any override (what an override calls after its own work).

@@ -13,6 +13,8 @@ global v, one pass):
         -> (RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2)
     logo::rope_transform_bwd(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, use_triton) -> (dq, dk, dv, dA)
 
+(`logo.kernels.branches` runs rope_transform and both attention ops of a LoGo layer as one op pair.)
+
 rows None: every row a query (sliding window with window > 0, causal with window 0); else query-sparse with
 the static-shape contract of `logo.kernels.reference` (o (N, H, D), zero at unselected rows; the selected count
 cu_q[-1] stays on the device). use_triton picks the Triton kernels (CUDA, or the CPU interpreter) or the
@@ -195,6 +197,13 @@ def rope_transform(q: Tensor, k: Tensor, v: Tensor, A: Tensor, cos: Tensor, sin:
     """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2 in one pass: q, k, v (N, H, D) of one dtype,
     A (3, H, D, D) (the q, k and v transforms), cos/sin (T, D/2) float32 with T dividing N (row n is at position
     n mod T: B rows of T tokens flattened). Differentiable in q, k, v and A."""
+    check_rope_transform_inputs(q, k, v, A, cos, sin, use_triton)
+    return rope_transform_fwd(q, k, v, A, cos, sin, use_triton)
+
+
+def check_rope_transform_inputs(q: Tensor, k: Tensor, v: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
+                                use_triton: bool):
+    """`rope_transform`'s contract, one-line errors naming the offending shapes."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or A.shape != (3, q.shape[1], q.shape[2],
                                                                                 q.shape[2]):
         raise ValueError(f"q, k and v must be (N, H, D) of one shape and A (3, H, D, D); got {tuple(q.shape)}, "
@@ -206,7 +215,6 @@ def rope_transform(q: Tensor, k: Tensor, v: Tensor, A: Tensor, cos: Tensor, sin:
                          f"rows; got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if use_triton:
         _rope_impl(True).validate(q)
-    return rope_transform_fwd(q, k, v, A, cos, sin, use_triton)
 
 
 def _fuse_impl(use_triton: bool):

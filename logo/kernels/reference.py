@@ -282,13 +282,15 @@ def _rope_transform_grad_one(gx, gy, x, A, cos, sin):
     return (_unrope_rows(gx.to(cdt), cos, sin) + dxy).to(x.dtype), dA
 
 
-def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin):
+def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, gv=None):
     """dq, dk, dv (N, H, D) in q's dtype and dA (3, H, D, D) in at least fp32 of `rope_transform_forward`, given
     the gradients of its five outputs: with g = RoPE^T(gy) for y = x A_i (g = gy for v), dx = RoPE^T(gx) + g A_i^T
-    (dv = g A_2^T) and dA_i = sum_rows x^T g (explicit: a custom op runs below autograd)."""
+    (dv = g A_2^T, plus gv, v's gradient from elsewhere, when given) and dA_i = sum_rows x^T g (explicit: a custom
+    op runs below autograd)."""
     dq, dAq = _rope_transform_grad_one(gq, gqy, q, A[0], cos, sin)
     dk, dAk = _rope_transform_grad_one(gk, gky, k, A[1], cos, sin)
     dv, dAv = _transform_grad(gvy.to(_cdt(v)), v, A[2])
+    dv = dv if gv is None else dv + gv.to(dv.dtype)
     return dq.contiguous(), dk.contiguous(), dv.to(v.dtype).contiguous(), torch.stack((dAq, dAk, dAv))
 
 

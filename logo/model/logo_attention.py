@@ -184,11 +184,23 @@ class LoGoAttention(QKVAttention):
         sel = partition(z, seqs)
         x = x if x_low is None else x_low  # the `full` variant's global projections read the cast copy too
         x, q, k, v = x.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, ...)
-        if self.recompute_branch_inputs():
+        if self.fuses_branches(q):  # one op call each way; it recomputes the branch inputs itself
+            A, a = self.transform.A, self.attn_cfg
+            o_local, o_global = dispatch.logo_branches(q, k, v, A, cos, sin, seqs.pos, sel.rows, sel.cu_seqlens_q,
+                                                       seqs.cu_seqlens, self.window,
+                                                       not self.recompute_branch_inputs(), a.backend)
+        elif self.recompute_branch_inputs():
             o_local, o_global = recompute_all_but_attention(self.attend, x, q, k, v, cos, sin, seqs, sel)
         else:
             o_local, o_global = self.attend(x, q, k, v, cos, sin, seqs, sel)
         return self.fuse(o_local, o_global, p, z), p, z
+
+    def fuses_branches(self, q: torch.Tensor) -> bool:
+        """attention.fuse_branches (with fuse_rope, LP transforms, the Triton backend, no context parallelism):
+        the branch inputs and both attention ops as one op pair (`logo.kernels.branches`)."""
+        a = self.attn_cfg
+        A = getattr(self.transform, "A", None)
+        return A is not None and a.fuse_rope and a.fuse_branches and dispatch.fuses_branches(q, A, a.backend)
 
     def recompute_branch_inputs(self) -> bool:
         """attention.recompute_branch_inputs: always, never, or (compiled) only while torch.compile traces; never

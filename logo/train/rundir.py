@@ -30,7 +30,7 @@ LOCK_FILE = ".lock"
 # compiled, logged, checkpointed, evaluated and launched. Everything else must equal the checkpoint's config.
 RESUME_MAY_CHANGE = ("train.steps", "train.micro_batch", "train.compile", "train.activation_checkpointing",
                      "model.attention.recompute_branch_inputs", "model.attention.compile_glue",
-                     "model.attention.fuse_rope", "model.attention.fuse_context_norm",
+                     "model.attention.fuse_rope", "model.attention.fuse_branches", "model.attention.fuse_context_norm",
                      "train.gc_interval", "train.loss", "model.attention.backend", "stage.tokens",
                      "stage.tokens_per_param", "data.prefetch", "logging.", "checkpoint.", "parallel.", "eval.",
                      "launch.", "run.", "dry_run", "experiment")

@@ -118,12 +118,13 @@ def _rope_transform_fwd_kernel(Q, K, V, A, COS, SIN, QR, KR, QYR, KYR, VY, N, T,
 
 
 @triton.jit
-def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, GVY, A, COS, SIN, DQ, DK, DV, G, N, T, BM: tl.constexpr,
-                               RB: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, GVY, GV, A, COS, SIN, DQ, DK, DV, G, N, T, BM: tl.constexpr,
+                               RB: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, HAS_GV: tl.constexpr):
     """One program per (RB blocks of BM rows, head, tensor t: q, k or v). With gx, gy the gradients of RoPE(x),
     RoPE(x A_t) (GQ | GK, GQY | GKY) and g = RoPE^T(gy) (the inverse rotation): dx = RoPE^T(gx) + g A_t,h^T into
-    DQ | DK, and g into G[t]; for v, g = gy (GVY, not rotated) and dv = g A_2,h^T into DV. Every tensor
-    contiguous, (N, H, D) (G: (3, N, H, D)).
+    DQ | DK, and g into G[t]; for v, g = gy (GVY, not rotated) and dv = g A_2,h^T into DV, plus v's own gradient
+    from elsewhere (GV, not rotated: the local branch reads v itself) when HAS_GV. Every tensor contiguous,
+    (N, H, D) (G: (3, N, H, D)).
     dA_h = x^T g is a separate split-K reduction (`_transform_grads`): reducing it here as well kept two (D, D/2)
     float32 accumulators per program live across a loop over rows, slower than this kernel plus the reduction.
     """
@@ -132,7 +133,11 @@ def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, GVY, A, COS, SIN, DQ, DK, DV, G
     H = tl.num_programs(1)
     t = tl.program_id(2)
     n_rot = _rotated_rows(t, N)
-    GX = _pick(t, GQ, GK, GQ)  # v has no RoPE(x) output: its load is masked off (zero)
+    if HAS_GV:  # v's own gradient loads as v's gx (its angles are cos 1, sin 0: added unrotated)
+        n_gx = N
+    else:  # v has no RoPE(x) output: its load is masked off (zero)
+        n_gx = n_rot
+    GX = _pick(t, GQ, GK, GV)
     GY = _pick(t, GQY, GKY, GVY)
     DX = _pick(t, DQ, DK, DV)
     dt = DQ.dtype.element_ty
@@ -146,7 +151,7 @@ def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, GVY, A, COS, SIN, DQ, DK, DV, G
         rows64 = rows.to(tl.int64)
         c, s = _angles(COS, SIN, rows, T, rot, HALF)  # cos 1, sin 0 for v
         offs = rows64[:, None] * (H * D) + h * D + offs_d[None, :]
-        gxe, gxo = _pairs(GX + offs, rot[:, None], BM, HALF)
+        gxe, gxo = _pairs(GX + offs, (rows < n_gx)[:, None], BM, HALF)
         gye, gyo = _pairs(GY + offs, rmask[:, None], BM, HALF)
         ge = (gye * c + gyo * s).to(dt)  # y's gradient, rounded like the unfused path's
         go = (gyo * c - gye * s).to(dt)
@@ -239,9 +244,10 @@ def _transform_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return part.sum(0) if chunks > 1 else part[0]
 
 
-def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin):
+def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, gv=None):
     """dq, dk, dv (N, H, D) in q's dtype and dA (3, H, D, D) float32 of `rope_transform_forward`, from the
-    gradients of its five outputs (contiguous)."""
+    gradients of its five outputs (contiguous); gv (contiguous, optional): a gradient of v from elsewhere, added
+    into dv before its one rounding."""
     N, H, D = q.shape
     dq, dk, dv = torch.empty_like(gq), torch.empty_like(gk), torch.empty_like(gvy)
     if N == 0:
@@ -249,6 +255,6 @@ def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin):
     g = torch.empty((3, N, H, D), device=q.device, dtype=q.dtype)
     BM, RB, warps = _launch("bwd", q)
     _rope_transform_bwd_kernel[(triton.cdiv(N, BM * RB), H, 3)](
-        gq, gk, gqy, gky, gvy, A, cos, sin, dq, dk, dv, g, N, cos.shape[0], BM=BM, RB=RB, D=D,
-        PREC=_prec(q.dtype), num_warps=warps)
+        gq, gk, gqy, gky, gvy, gq if gv is None else gv, A, cos, sin, dq, dk, dv, g, N, cos.shape[0], BM=BM,
+        RB=RB, D=D, PREC=_prec(q.dtype), HAS_GV=gv is not None, num_warps=warps)
     return dq, dk, dv, _transform_grads(q, k, v, g)
