@@ -137,6 +137,25 @@ def test_gate_histogram_counts_each_valid_token_in_its_bin():
     assert (hist.double() - expect).abs().sum() <= 2  # fp32 vs fp64 rounding may move a token to a neighbour bin
     assert torch.equal(hist, gate_histogram(p, valid.float(), bins))
 
+def test_compiled_gate_histogram_equals_histc():
+    """Under torch.compile the histogram is a one-hot sum (`one_hot_counts`); the same counts as histc's, bin for
+    bin, on the same bin indices (and through the whole compiled function, aot_eager: eager's arithmetic)."""
+    from logo.model.controller import one_hot_counts
+    g = torch.Generator().manual_seed(4)
+    p = torch.cat([torch.sigmoid(0.02 * torch.randn(3000, generator=g)), torch.rand(2000, generator=g),
+                   torch.tensor([0.0, 1.0, float("nan"), 0.5])])
+    valid = torch.rand(p.shape[0], generator=g) > 0.2
+    bins = 257
+    idx = torch.randint(0, bins, (p.shape[0],), generator=g).float()
+    idx[:50] = 7.0  # many tokens in one bin, as a fresh gate has
+    want = torch.histc(torch.where(valid, idx + 0.5, -1.0), bins=bins, min=0, max=bins)
+    assert torch.equal(one_hot_counts(idx, valid, bins), want)
+    assert torch.equal(one_hot_counts(idx, valid.float(), bins), want)
+    torch._dynamo.reset()
+    compiled = torch.compile(gate_histogram, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(p, valid, bins), gate_histogram(p, valid, bins))
+
+
 def test_quantile_state_is_restored_exactly_and_skipped_steps_change_nothing():
     def make():
         return BudgetController(tiny_model(budget_control="quantile", rho=0.3, gamma=0.005, threshold_init=0.45),
