@@ -144,6 +144,21 @@ def kept_for_backward():
         yield storages
 
 
+def logo_layer_step(layer, fn=None, B: int = 2, T: int = 24):
+    """One forward and backward (loss: sum of squares) of a LoGo attention layer (or `fn`, e.g. its compiled self)
+    on a (B, T) float32 batch of several documents, some crossing the row boundary -> out (detached), the input's
+    gradient, the routing stats. The layer's parameters keep their gradients."""
+    from logo.model.layers import PackedSeqs, rope_cos_sin
+    device = layer.wq.weight.device
+    x = torch.randn(B, T, layer.wq.weight.shape[1], device=device,
+                    generator=torch.Generator(device).manual_seed(3), requires_grad=True)
+    seqs = PackedSeqs.build(B, T, device, torch.tensor([0, 10, 24, 31, 48], dtype=torch.int32, device=device))
+    cos, sin = rope_cos_sin(T, layer.head_dim, 10000.0, device)
+    out, _, stats = (layer if fn is None else fn)(x, cos, sin, seqs)
+    out.square().sum().backward()
+    return out.detach(), x.grad, stats
+
+
 def free_port() -> int:
     """A free TCP port on localhost (for a process group's MASTER_PORT)."""
     with socket.socket() as s:

@@ -14,10 +14,9 @@ import torch
 from logo.config import AttentionConfig, ModelConfig
 from logo.kernels import dispatch, ops
 from logo.kernels import reference as R
-from logo.model.layers import PackedSeqs, rope_cos_sin
 from logo.model.logo_attention import LoGoAttention
 
-from conftest import close_in_norm as close
+from conftest import close_in_norm as close, logo_layer_step
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -134,16 +133,10 @@ def test_logo_layer_fused_equals_unfused(fusion, monkeypatch):
     monkeypatch.setattr(dispatch, "context_fuse", lambda *a, **k: calls.append(1) or real(*a, **k))
     results = []
     for fused in (True, False):
-        layer, cfg = _layer(fused, fusion)
-        B, T = 2, 24
-        x = torch.randn(B, T, cfg.dim, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3),
-                        requires_grad=True)
-        seqs = PackedSeqs.build(B, T, DEVICE, torch.tensor([0, 10, 24, 31, 48], dtype=torch.int32, device=DEVICE))
-        cos, sin = rope_cos_sin(T, cfg.head_dim, 10000.0, DEVICE)
-        out, _, stats = layer(x, cos, sin, seqs)
-        assert 0 < stats[0] < B * T
-        out.square().sum().backward()
-        results.append((out.detach(), x.grad, layer.gate.weight.grad, layer.norm_local.weight.grad,
+        layer, _ = _layer(fused, fusion)
+        out, dx, stats = logo_layer_step(layer)
+        assert 0 < stats[0] < 48
+        results.append((out, dx, layer.gate.weight.grad, layer.norm_local.weight.grad,
                         layer.norm_global.weight.grad, layer.wo.weight.grad))
         assert len(calls) == 1  # the fused run only
     for name, a, b in zip(("out", "dx", "dgate", "dw_local", "dw_global", "dWo"), *results):

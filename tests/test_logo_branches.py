@@ -16,7 +16,7 @@ from logo.model.layers import PackedSeqs, rope_cos_sin
 from logo.model.logo_attention import LoGoAttention
 from logo.model.routing import partition
 
-from conftest import close_in_norm as close, kept_for_backward
+from conftest import close_in_norm as close, kept_for_backward, logo_layer_step
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -172,16 +172,10 @@ def test_layer_with_one_op_equals_separate_ops(monkeypatch, recompute):
     monkeypatch.setattr(dispatch, "logo_branches", lambda *a: calls.append(a[-2]) or real(*a))
     results = []
     for fuse in (True, False):
-        layer, cfg = _layer(fuse, recompute)
-        B, T = 2, 24
-        x = torch.randn(B, T, cfg.dim, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3),
-                        requires_grad=True)
-        seqs = PackedSeqs.build(B, T, DEVICE, torch.tensor([0, 10, 24, 31, 48], dtype=torch.int32, device=DEVICE))
-        cos, sin = rope_cos_sin(T, D, 10000.0, DEVICE)
-        out, _, stats = layer(x, cos, sin, seqs)
-        assert 0 < stats[0] < B * T
-        out.square().sum().backward()
-        results.append((out.detach(), x.grad, layer.transform.A.grad, layer.wq.weight.grad, layer.wv.weight.grad))
+        layer, _ = _layer(fuse, recompute)
+        out, dx, stats = logo_layer_step(layer)
+        assert 0 < stats[0] < 48
+        results.append((out, dx, layer.transform.A.grad, layer.wq.weight.grad, layer.wv.weight.grad))
     assert calls == [recompute == "never"]  # once, with fuse_branches on; keep_rotated unless recomputing
     for name, a, b in zip(("out", "dx", "dA", "dWq", "dWv"), *results, strict=True):
         close(a, b, 1e-6, 1e-7, name)
@@ -202,18 +196,12 @@ def test_no_op_pair_under_an_override():
 def test_compiled_layer_with_one_op_equals_eager(recompute):
     """The layer compiled with fullgraph=True (aot_eager on CPU: the interpreted kernels run on real tensors only)
     traces the op pair (recomputing or keeping the rotated inputs) and equals eager."""
-    layer, cfg = _layer(True, recompute)
-    B, T = 2, 24
-    seqs = PackedSeqs.build(B, T, DEVICE, torch.tensor([0, 10, 24, 31, 48], dtype=torch.int32, device=DEVICE))
-    cos, sin = rope_cos_sin(T, D, 10000.0, DEVICE)
-    x0 = torch.randn(B, T, cfg.dim, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3))
+    layer, _ = _layer(True, recompute)
     results = []
     torch._dynamo.reset()
     for fn in (layer, torch.compile(layer, backend="inductor" if CUDA else "aot_eager", fullgraph=True)):
-        x = x0.clone().requires_grad_()
-        out, _, _ = fn(x, cos, sin, seqs)
-        out.square().sum().backward()
-        results.append((out.detach(), x.grad, layer.transform.A.grad.clone()))
+        out, dx, _ = logo_layer_step(layer, fn)
+        results.append((out, dx, layer.transform.A.grad.clone()))
         layer.zero_grad(set_to_none=True)
     for name, a, b in zip(("out", "dx", "dA"), *results, strict=True):
         close(a, b, 1e-5 if CUDA else 1e-6, 1e-7, name)
