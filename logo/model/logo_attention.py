@@ -184,7 +184,7 @@ class LoGoAttention(QKVAttention):
         sel = partition(z, seqs)
         x = x if x_low is None else x_low  # the `full` variant's global projections read the cast copy too
         x, q, k, v = x.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, ...)
-        if self.fuses_branches(q):  # one op call each way; it recomputes the branch inputs itself
+        if self.fuses_branches(q):  # one op call each way; it recomputes (or keeps) the branch inputs itself
             A, a = self.transform.A, self.attn_cfg
             o_local, o_global = dispatch.logo_branches(q, k, v, A, cos, sin, seqs.pos, sel.rows, sel.cu_seqlens_q,
                                                        seqs.cu_seqlens, self.window,
