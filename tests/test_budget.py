@@ -137,6 +137,7 @@ def test_gate_histogram_counts_each_valid_token_in_its_bin():
     assert (hist.double() - expect).abs().sum() <= 2  # fp32 vs fp64 rounding may move a token to a neighbour bin
     assert torch.equal(hist, gate_histogram(p, valid.float(), bins))
 
+
 def test_compiled_gate_histogram_equals_histc():
     """Under torch.compile the histogram is a one-hot sum (`one_hot_counts`); the same counts as histc's, bin for
     bin, on the same bin indices (and through the whole compiled function, aot_eager: eager's arithmetic)."""

@@ -29,11 +29,6 @@ from torch import Tensor
 from logo.kernels import ops
 
 
-def _rotated_inputs(q, k, v, A, cos, sin, use_triton: bool) -> tuple[Tensor, ...]:
-    return ops._rope_impl(use_triton).rope_transform_forward(ops._rows(q), ops._rows(k), ops._rows(v),
-                                                             A.contiguous(), cos.contiguous(), sin.contiguous())
-
-
 @torch.library.custom_op("logo::logo_branches_fwd", mutates_args=())
 def logo_branches_fwd(q: Tensor, k: Tensor, v: Tensor, A: Tensor, cos: Tensor, sin: Tensor, q_pos: Tensor,
                       rows: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float, window: int, keep_rotated: bool,
@@ -46,21 +41,16 @@ def logo_branches_fwd(q: Tensor, k: Tensor, v: Tensor, A: Tensor, cos: Tensor, s
 
 def branches_forward(q, k, v, A, cos, sin, q_pos, rows, cu_q, cu_k, scale: float, window: int, use_triton: bool):
     """The forward op's body (also timed on its own by benchmarks/host_overhead.py)."""
-    attn = ops._impl(use_triton)
-    qr, kr, qgr, kgr, vg = _rotated_inputs(q, k, v, A, cos, sin, use_triton)
-    cu_k = cu_k.contiguous()
-    o_local, lse_local = attn.attn_forward(qr, kr, ops._rows(v), None, None, cu_k, cu_k, scale, window)
-    o_global, lse_global = attn.attn_forward(qgr, kgr, vg, q_pos.contiguous(), rows.contiguous(),
-                                             cu_q.contiguous(), cu_k, scale, 0)
+    qr, kr, qgr, kgr, vg = ops.rope_transform_forward(q, k, v, A, cos, sin, use_triton)
+    o_local, lse_local = ops.attention_forward(qr, kr, v, None, None, cu_k, cu_k, scale, window, use_triton)
+    o_global, lse_global = ops.attention_forward(qgr, kgr, vg, q_pos, rows, cu_q, cu_k, scale, 0, use_triton)
     return o_local, o_global, lse_local, lse_global, qr, kr, qgr, kgr, vg
 
 
 @logo_branches_fwd.register_fake
 def _(q, k, v, A, cos, sin, q_pos, rows, cu_q, cu_k, scale, window, keep_rotated, use_triton):
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     nhd = [torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(7)]
-    lse = [q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype) for _ in range(2)]
-    return nhd[0], nhd[1], lse[0], lse[1], *nhd[2:]
+    return nhd[0], nhd[1], ops.fake_lse(q), ops.fake_lse(q), *nhd[2:]
 
 
 @torch.library.custom_op("logo::logo_branches_bwd", mutates_args=())
@@ -78,23 +68,17 @@ def branches_backward(do_local, do_global, q, k, v, A, cos, sin, o_local, o_glob
                       q_pos, rows, cu_q, cu_k, scale: float, window: int, use_triton: bool):
     """The backward op's body: the global branch's backward, then the local one's, then the RoPE + transform
     backward (each branch's rotated inputs freed after its use when recomputed)."""
-    attn = ops._impl(use_triton)
     if rotated:
         qr, kr, qgr, kgr, vg = rotated
     else:
-        qr, kr, qgr, kgr, vg = _rotated_inputs(q, k, v, A, cos, sin, use_triton)
-    cu_k = cu_k.contiguous()
-    dqg, dkg, dvg = attn.attn_backward(ops._rows(do_global), qgr, kgr, vg, ops._rows(o_global),
-                                       lse_global.contiguous(), q_pos.contiguous(), rows.contiguous(),
-                                       cu_q.contiguous(), cu_k, scale, 0)
+        qr, kr, qgr, kgr, vg = ops.rope_transform_forward(q, k, v, A, cos, sin, use_triton)
+    dqg, dkg, dvg = ops.attention_backward(do_global, qgr, kgr, vg, o_global, lse_global, q_pos, rows, cu_q, cu_k,
+                                           scale, 0, use_triton)
     del qgr, kgr, vg
-    dqr, dkr, dv_local = attn.attn_backward(ops._rows(do_local), qr, kr, ops._rows(v), ops._rows(o_local),
-                                            lse_local.contiguous(), None, None, cu_k, cu_k, scale, window)
+    dqr, dkr, dv_local = ops.attention_backward(do_local, qr, kr, v, o_local, lse_local, None, None, cu_k, cu_k,
+                                                scale, window, use_triton)
     del qr, kr
-    dq, dk, dv, dA = ops._rope_impl(use_triton).rope_transform_backward(
-        dqr.contiguous(), dkr.contiguous(), dqg.contiguous(), dkg.contiguous(), dvg.contiguous(), ops._rows(q),
-        ops._rows(k), ops._rows(v), A.contiguous(), cos.contiguous(), sin.contiguous(), gv=dv_local.contiguous())
-    return dq, dk, dv, dA.to(A.dtype)
+    return ops.rope_transform_backward(dqr, dkr, dqg, dkg, dvg, q, k, v, A, cos, sin, use_triton, gv=dv_local)
 
 
 @logo_branches_bwd.register_fake

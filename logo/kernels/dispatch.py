@@ -117,17 +117,12 @@ def rope_transform(q, k, v, A, cos, sin, backend: str = "auto"):
     return ops.rope_transform(q, k, v, A, cos, sin, use_triton=_use_triton(q, backend))
 
 
-def fuses_branches(x, A, backend: str = "auto") -> bool:
-    """Whether `logo_branches` (both branches and their inputs as one op pair) runs for x (N, H, D) and A: where
-    the fused RoPE + transform does (`fuses_rope_transform`) and no `override` is active (context parallelism
-    adds its communication around the separate attention ops)."""
-    return _override is None and fuses_rope_transform(x, A, backend)
-
-
 def logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window: int, keep_rotated: bool,
                   backend: str = "auto"):
     """The LoGo layer's RoPE + transforms and both attention branches in one op call each way
-    (logo::logo_branches_fwd): o_local, o_global (N, H, D); see `fuses_branches`."""
+    (logo::logo_branches_fwd): o_local, o_global (N, H, D). Where the fused RoPE + transform runs
+    (`fuses_rope_transform`) and no `override` is active (context parallelism adds its communication around the
+    separate attention ops)."""
     return branches.logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window,
                                   keep_rotated, use_triton=_use_triton(q, backend))
 

@@ -56,15 +56,24 @@ def range_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor]
                         cu_q: Tensor, cu_k: Tensor, scale: float, window: int,
                         use_triton: bool) -> tuple[Tensor, Tensor]:
     """o (N, H, D) and the base-2 log-sum-exp per query slot (H, N) (private to the backward)."""
+    return attention_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale, window, use_triton)
+
+
+def attention_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int, use_triton: bool):
+    """`range_attention_fwd`'s body (also run inside `logo.kernels.branches`' op): the Triton kernels or the
+    reference on q, k, v with any row and head strides."""
     return _impl(use_triton).attn_forward(_rows(q), _rows(k), _rows(v), _c(q_pos), _c(rows),
                                           cu_q.contiguous(), cu_k.contiguous(), scale, window)
 
 
+def fake_lse(q: Tensor) -> Tensor:
+    """The (H, N) log-sum-exp an attention forward returns for q (N, H, D), as a fake output."""
+    return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
 @range_attention_fwd.register_fake
 def _(q, k, v, q_pos, rows, cu_q, cu_k, scale, window, use_triton):
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), fake_lse(q)
 
 
 @torch.library.custom_op("logo::range_attention_bwd", mutates_args=())
@@ -72,6 +81,11 @@ def range_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, 
                         q_pos: Optional[Tensor], rows: Optional[Tensor], cu_q: Tensor, cu_k: Tensor, scale: float,
                         window: int, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
     """dq (zero at unselected rows), dk, dv."""
+    return attention_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale, window, use_triton)
+
+
+def attention_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, window: int, use_triton: bool):
+    """`range_attention_bwd`'s body (also run inside `logo.kernels.branches`' op)."""
     return _impl(use_triton).attn_backward(_rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse.contiguous(),
                                            _c(q_pos), _c(rows), cu_q.contiguous(),
                                            cu_k.contiguous(), scale, window)
@@ -152,6 +166,11 @@ def _rope_impl(use_triton: bool):
 def rope_transform_fwd(q: Tensor, k: Tensor, v: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
                        use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2: contiguous (N, H, D) in q's dtype."""
+    return rope_transform_forward(q, k, v, A, cos, sin, use_triton)
+
+
+def rope_transform_forward(q, k, v, A, cos, sin, use_triton: bool):
+    """`rope_transform_fwd`'s body (also run inside `logo.kernels.branches`' op)."""
     return _rope_impl(use_triton).rope_transform_forward(_rows(q), _rows(k), _rows(v), A.contiguous(),
                                                          cos.contiguous(), sin.contiguous())
 
@@ -166,8 +185,15 @@ def rope_transform_bwd(gq: Tensor, gk: Tensor, gqy: Tensor, gky: Tensor, gvy: Te
                        v: Tensor, A: Tensor, cos: Tensor, sin: Tensor,
                        use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (N, H, D) in q's dtype, dA (3, H, D, D) in A's dtype."""
+    return rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, use_triton)
+
+
+def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, use_triton: bool,
+                            gv: Optional[Tensor] = None):
+    """`rope_transform_bwd`'s body (also run inside `logo.kernels.branches`' op, which passes gv, v's gradient
+    from elsewhere, to be added into dv)."""
     dq, dk, dv, dA = _rope_impl(use_triton).rope_transform_backward(
-        _c(gq), _c(gk), _c(gqy), _c(gky), _c(gvy), _rows(q), _rows(k), _rows(v), _c(A), _c(cos), _c(sin))
+        _c(gq), _c(gk), _c(gqy), _c(gky), _c(gvy), _rows(q), _rows(k), _rows(v), _c(A), _c(cos), _c(sin), gv=_c(gv))
     return dq, dk, dv, dA.to(A.dtype)
 
 

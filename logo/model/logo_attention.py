@@ -198,9 +198,12 @@ class LoGoAttention(QKVAttention):
     def fuses_branches(self, q: torch.Tensor) -> bool:
         """attention.fuse_branches (with fuse_rope, LP transforms, the Triton backend, no context parallelism):
         the branch inputs and both attention ops as one op pair (`logo.kernels.branches`)."""
-        a = self.attn_cfg
+        return self.attn_cfg.fuse_branches and not dispatch.overridden() and self.fuses_rope(q)
+
+    def fuses_rope(self, q: torch.Tensor) -> bool:
+        """attention.fuse_rope with LP transforms on the Triton backend (`dispatch.fuses_rope_transform`)."""
         A = getattr(self.transform, "A", None)
-        return A is not None and a.fuse_rope and a.fuse_branches and dispatch.fuses_branches(q, A, a.backend)
+        return A is not None and self.attn_cfg.fuse_rope and dispatch.fuses_rope_transform(q, A, self.attn_cfg.backend)
 
     def recompute_branch_inputs(self) -> bool:
         """attention.recompute_branch_inputs: always, never, or (compiled) only while torch.compile traces; never
@@ -229,9 +232,8 @@ class LoGoAttention(QKVAttention):
         RoPE(q^G), RoPE(k^G), v^G (N, H, D). With LP transforms on the Triton backend, q, k and v pass through the
         fused kernel (`logo::rope_transform_fwd`: both RoPEs and the transform in one read of q and of k, and v's
         transform in the same launch)."""
-        A = getattr(self.transform, "A", None)
-        if A is not None and self.attn_cfg.fuse_rope and dispatch.fuses_rope_transform(q, A, self.attn_cfg.backend):
-            q, k, qg, kg, vg = dispatch.rope_transform(q, k, v, A, cos, sin, self.attn_cfg.backend)
+        if self.fuses_rope(q):
+            q, k, qg, kg, vg = dispatch.rope_transform(q, k, v, self.transform.A, cos, sin, self.attn_cfg.backend)
             return q, k, qg, kg, vg
         qg, kg, vg = self.global_branch_qkv(x, q, k, v)
         q, k = apply_rope(q, cos, sin, seqs.batch), apply_rope(k, cos, sin, seqs.batch)
