@@ -21,6 +21,9 @@ reported as "oom", a crash as "crash". Each run builds its model and step from t
 `logo.train.config.compose` (the train.py config), the meta-device `Transformer`, `logo.parallelize.parallelize`
 (train.compile, activation checkpointing), fused AdamW and `logo.train.step.train_step` / `optimizer_step` with
 train.loss, bf16 autocast on GPU. Data: random tokens, every row one document.
+Python's automatic garbage collection is off during the steps and generations 0-1 are collected every
+`train.gc_interval` steps, as in the trainer (`--set train.gc_interval=0` keeps automatic GC; until 2026-11-25 this
+script ran with it, so its pauses fell into the timed steps).
 Per run: ms/step (median over --steps steps after --warmup steps, host-synchronised), tokens/s, MFU
 (`logo.model.flops.mfu`, the trainer's formula: 6 x (non-embedding + LM-head parameters) + attention FLOPs by
 kind, the realized ratio of the LoGo layers, over the GPU's dense bf16 peak) and the peak allocated memory.
@@ -35,6 +38,7 @@ busy time, the top kernels and host ops, the GPU's idle time and its largest idl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -119,15 +123,24 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
         return out
 
     times = []
-    for i in range(warmup + steps):
-        sync()
-        t0 = time.perf_counter()
-        out = step(i)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    gc_interval = cfg.train.gc_interval
+    if gc_interval:  # as the trainer does: no automatic GC pauses inside steps, generations 0-1 every interval
+        gc.collect()
+        gc.disable()
+    try:
+        for i in range(warmup + steps):
+            sync()
+            t0 = time.perf_counter()
+            out = step(i)
+            sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            if gc_interval and (i + 1) % gc_interval == 0:
+                gc.collect(1)
+        kernels = profile_kernels(lambda i: step(warmup + steps + i), profile_steps) if profile_steps else None
+    finally:
+        gc.enable()
     step_s = statistics.median(times)
-    kernels = profile_kernels(lambda i: step(warmup + steps + i), profile_steps) if profile_steps else None
     tokens_per_s = B * T / step_s
     ratios = realized_ratios(ctrl.metrics())
     peak = peak_bf16_flops(torch.cuda.get_device_name()) if cuda else None

@@ -285,7 +285,7 @@ def test_logo_block_replays_as_cuda_graph():
 
 
 def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
-    """attention.compile_glue: the layers of a model share one compiled `branches` (no recompilation from one
+    """attention.compile_glue: the layers of a model share one compiled `glue` (no recompilation from one
     layer to the next, for a new threshold or for a batch with more documents), with eager's outputs and
     gradients. On CPU the test forces the path on (it runs on CUDA training steps only) and compiles with
     aot_eager."""
@@ -310,8 +310,8 @@ def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(logo_attention.LoGoAttention, "compile_glue", lambda self, x: True)
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(logo_attention, "_COMPILED_BRANCHES",
-                        torch.compile(logo_attention.LoGoAttention.branches, fullgraph=True, backend=counter))
+    monkeypatch.setattr(logo_attention, "_COMPILED_GLUE",
+                        torch.compile(logo_attention.LoGoAttention.glue, fullgraph=True, backend=counter))
     got = loss_and_grads()
     cu = torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32)  # documents
     loss_and_grads()
@@ -321,7 +321,8 @@ def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
     cu = torch.tensor([0, 3, 9, 16, 20, 27, 32], dtype=torch.int32)  # another batch: two more documents
     loss_and_grads()
     assert counter.frame_count == 1  # one graph for 3 layers x 2 thresholds x 3 document counts
-    assert torch.equal(got[2][:, :2], want[2][:, :2])  # same decisions
+    assert torch.equal(got[2][:, :2], want[2][:, :2])  # same decisions (the routing stats, computed in the region)
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-6)  # and the same gate sums
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     for a, b in zip(got[1], want[1]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -142,7 +142,7 @@ def test_unselected_rows_equal_local_output_exactly(dtype, seed):
     x = x.to(dtype)
     p = layer.gate_probs(x)
     layer.threshold.fill_(float(p.detach().quantile(0.4)))
-    o, _, z = layer.mix(x, cos, sin, seqs)
+    o, _, z, _ = layer.mix(x, cos, sin, seqs)
     assert 0 < int(z.sum()) < z.numel()
     ref = local_only_output(layer, x, cos, sin, seqs)
     assert torch.equal(o[~z], ref[~z])  # bitwise
@@ -162,7 +162,7 @@ def test_gate_gradient_flows_only_through_selected_rows():
 
     layer.gate_probs = spy
     layer.threshold.fill_(float(original(x).detach().median()))
-    o, p, z = layer.mix(x, cos, sin, seqs)
+    o, p, z, _ = layer.mix(x, cos, sin, seqs)
     (o * torch.randn_like(o)).sum().backward()
     g = captured["grad"]
     assert torch.all(g[~z] == 0)
@@ -179,7 +179,7 @@ def test_padding_is_never_routed_nor_counted():
     cos, sin = rope_cos_sin(T, 16, 10000.0, "cpu", dtype=torch.float64)
     layer.threshold.fill_(-1.0)  # everything valid selected
     out, _, stats = layer(x, cos, sin, seqs)
-    _, _, z = layer.mix(x, cos, sin, seqs)
+    _, _, z, _ = layer.mix(x, cos, sin, seqs)
     assert stats[0] == 26 and stats[1] == 26
     assert not z.view(B, T)[1, 10:].any()
 
@@ -340,7 +340,7 @@ def test_gate_weight_gradient_is_fp32_when_compiled_under_autocast():
 
 
 def test_compiled_glue_keeps_the_bf16_input_itself():
-    """LoGoAttention.branches compiled (the eager step's glue region) under autocast keeps no fp32 copy and no
+    """LoGoAttention.glue compiled (the eager step's glue region) under autocast keeps no fp32 copy and no
     second bf16 copy of the attention input: only x_low, shared with the projections."""
     torch.manual_seed(0)
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=64,
@@ -352,13 +352,13 @@ def test_compiled_glue_keeps_the_bf16_input_itself():
     seqs = PackedSeqs.build(2, 32, "cpu")
     cos, sin = rope_cos_sin(32, 16, 10000.0, "cpu")
     from logo.model import logo_attention
-    compiled = torch.compile(LoGoAttention.branches, backend="aot_eager", fullgraph=True)
-    original = logo_attention._COMPILED_BRANCHES
-    logo_attention._COMPILED_BRANCHES = compiled
+    compiled = torch.compile(LoGoAttention.glue, backend="aot_eager", fullgraph=True)
+    original = logo_attention._COMPILED_GLUE
+    logo_attention._COMPILED_GLUE = compiled
     try:
         assert _kept_copies_of(x, lambda: layer(x * 1.0, cos, sin, seqs)) == (0, 1)
     finally:
-        logo_attention._COMPILED_BRANCHES = original
+        logo_attention._COMPILED_GLUE = original
 
 
 

@@ -157,21 +157,29 @@ class LoGoAttention(QKVAttention):
         return self.gate(x, x_low)
 
     def mix(self, x, cos, sin, seqs: PackedSeqs):
-        """Both branches and the fusion: x (B, T, d) -> o (N, H, D) before W_o, p (N,), z (N,) bool."""
+        """Both branches, the fusion and the routing statistics: x (B, T, d) -> o (N, H, D) before W_o, p (N,),
+        z (N,) bool, routing stats (K,) (`routing_stats`)."""
         x_low = autocast_input(x)  # (B, T, d): the one copy of x the backward keeps (projections and gate)
         q, k, v = self.project(x_low)
         if self.compile_glue(x):
-            return _compiled_branches()(self, x, x_low, q, k, v, cos, sin, seqs)
+            return _compiled_glue()(self, x, x_low, q, k, v, cos, sin, seqs)
         # A compiled block: its partitioner keeps no fp32 copy of x, and Inductor fuses the gate's plain weight
         # gradient into the block's other row reductions (with the narrow-copy gradient the step was ~2% slower).
         gate_low = None if torch.compiler.is_compiling() else x_low
-        return self.branches(x, gate_low, q, k, v, cos, sin, seqs)
+        return self.glue(x, gate_low, q, k, v, cos, sin, seqs)
+
+    def glue(self, x, x_low, q, k, v, cos, sin, seqs: PackedSeqs):
+        """`branches` and the routing statistics of its decisions: -> o (N, H, D), p (N,), z (N,), stats (K,).
+        The statistics are ~20 small reductions; eager, each was a host dispatch per layer in the forward, where
+        the host already sets the pace (docs/benchmarks.md, Session 18), so they run inside the compiled glue."""
+        o, p, z = self.branches(x, x_low, q, k, v, cos, sin, seqs)
+        return o, p, z, routing_stats(z, p, seqs.valid, self.threshold, self.attn_cfg)
 
     def compile_glue(self, x: torch.Tensor) -> bool:
-        """attention.compile_glue: in an eager CUDA training step, run `branches` (gate, routing, transforms,
-        RoPE, both attention ops, ContextNorms, fusion) as one compiled region, so its elementwise glue is fused
-        as under train.compile. Not inside an outer compile, under no_grad (evaluation, decoding), with an
-        attention override (context parallelism) or with distributed tensors (tensor parallelism)."""
+        """attention.compile_glue: in an eager CUDA training step, run `glue` (gate, routing, transforms, RoPE,
+        both attention ops, ContextNorms, fusion, routing statistics) as one compiled region, so its elementwise
+        glue is fused as under train.compile. Not inside an outer compile, under no_grad (evaluation, decoding),
+        with an attention override (context parallelism) or with distributed tensors (tensor parallelism)."""
         return (self.attn_cfg.compile_glue and x.is_cuda and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and not dispatch.overridden() and type(x) is torch.Tensor
                 and type(self.gate.weight.data) is torch.Tensor)  # a DTensor weight: tensor parallelism
@@ -258,10 +266,10 @@ class LoGoAttention(QKVAttention):
     def forward(self, x, cos, sin, seqs: PackedSeqs):
         """x (B, T, d) -> out (B, T, d), aux_loss scalar or None, routing stats (K,) (logo.model.controller)."""
         B, T, _ = x.shape
-        o, p, z = self.mix(x, cos, sin, seqs)
+        o, p, _, stats = self.mix(x, cos, sin, seqs)
         out = self.wo(o.view(B, T, -1))
         aux = self.aux_loss(p, seqs) if self.attn_cfg.budget_control == "aux_loss" else None
-        return out, aux, routing_stats(z, p, seqs.valid, self.threshold, self.attn_cfg)
+        return out, aux, stats
 
     def aux_loss(self, p, seqs: PackedSeqs) -> torch.Tensor:
         """Auxiliary-loss budget control (ablation): lambda * (F_soft - rho)^2, where
@@ -275,13 +283,13 @@ class LoGoAttention(QKVAttention):
         return self.rho  # target; the realized ratio is reported by the controller
 
 
-_COMPILED_BRANCHES = None
+_COMPILED_GLUE = None
 
 
-def _compiled_branches():
-    """LoGoAttention.branches compiled once for every layer (the layer is an argument: its parameters and
-    threshold are graph inputs, so the layers share one graph per input shape)."""
-    global _COMPILED_BRANCHES
-    if _COMPILED_BRANCHES is None:
-        _COMPILED_BRANCHES = torch.compile(LoGoAttention.branches, fullgraph=True)
-    return _COMPILED_BRANCHES
+def _compiled_glue():
+    """LoGoAttention.glue compiled once for every layer (the layer is an argument: its parameters and threshold
+    are graph inputs, so the layers share one graph per input shape)."""
+    global _COMPILED_GLUE
+    if _COMPILED_GLUE is None:
+        _COMPILED_GLUE = torch.compile(LoGoAttention.glue, fullgraph=True)
+    return _COMPILED_GLUE

@@ -46,10 +46,12 @@ that `logo.kernels.ops` wraps as custom ops (same signatures as in `logo.kernels
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logo.kernels.triton._kernels import _delta_kernel, _dkdv_kernel, _dq_kernel, _fwd_kernel, _split_kernel
 
@@ -57,6 +59,7 @@ _LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
 def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -64,22 +67,31 @@ def _has_tma(device: torch.device) -> bool:
 def _cfg(D: int, dtype: torch.dtype, window: int, device: torch.device) -> dict:
     """Launch parameters per kernel, (BM, BN, warps, stages), the dQ strategy, and `desc`: TMA tile loads (Hopper
     on) of K/V in the forward and of q/dO in the dK/dV kernel (H100, D=128: forward 1.2x, backward 1.08x faster;
-    docs/benchmarks.md, Session 13). CONFIG_OVERRIDE wins."""
+    docs/benchmarks.md, Session 13). CONFIG_OVERRIDE wins. Read-only: the defaults are built once per
+    (D, dtype, kind, device) (every attention call asks, on a host that sets the pace of a 1.5B step's forward)."""
+    kind = "window" if window > 0 else "global"
+    c = _default_cfg(D, dtype, kind, device)
+    if CONFIG_OVERRIDE:
+        for key in ((kind, D, dtype), (kind, D), (kind,)):
+            if key in CONFIG_OVERRIDE:
+                return {**c, **CONFIG_OVERRIDE[key]}
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) -> dict:
+    window = kind == "window"
     if INTERPRET or device.type != "cuda":
         c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), dkdv=(16, 16, 4, 1), dq_mode="separate")
     elif dtype == torch.float32:
         c = dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq_mode="separate")
-    elif window > 0:  # sliding window: small tiles waste the fewest masked keys (sweep on H100, w=128, D=128)
+    elif window:  # sliding window: small tiles waste the fewest masked keys (sweep on H100, w=128, D=128)
         c = dict(fwd=(64, 32, 4, 3), dq=(64, 32, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
     elif D <= 64:  # H100 sweeps at D=64, 32 x 1024 and 1 x 8192 tokens (docs/benchmarks.md)
         c = dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
     else:  # global / causal, D=128: best of the H100 sweep in docs/benchmarks.md
         c = dict(fwd=(128, 128, 8, 3), dq=(128, 64, 8, 3), dkdv=(64, 128, 8, 3), dq_mode="separate")
     c["desc"] = dtype != torch.float32 and D >= 128 and not INTERPRET and _has_tma(device)
-    kind = "window" if window > 0 else "global"
-    for key in ((kind, D, dtype), (kind, D), (kind,)):
-        if key in CONFIG_OVERRIDE:
-            return {**c, **CONFIG_OVERRIDE[key]}
     return c
 
 
@@ -132,7 +144,6 @@ def _rowmajor(x):
 def _row_desc(x, block_rows: int):
     """A TMA descriptor over x (rows, H, D) as a (rows, H * D) matrix with (block_rows, D) tiles, or None where the
     layout does not allow one (D not unit-stride, heads not adjacent, rows or base not 16-byte aligned)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
     n, H, D = x.shape
     es = x.element_size()
     if x.stride(2) != 1 or x.stride(1) != D or (x.stride(0) * es) % 16 or x.data_ptr() % 16:
