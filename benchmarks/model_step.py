@@ -33,7 +33,9 @@ ms/step and the median of each round's ratio to full attention. The small shape'
 varied by up to 40% between processes of the same code on the GPU machines (docs/benchmarks.md, Session 11).
 `--profile N` times N more steps under torch.profiler (back to back, no sync between them) and adds per step: GPU
 busy time, the top kernels and host ops, the GPU's idle time and its largest idle gaps by the kernels on either side
-(where a host-bound stretch makes the GPU wait; docs/benchmarks.md, Session 16).
+(where a host-bound stretch makes the GPU wait; docs/benchmarks.md, Session 16). `--host-timing` adds, without a
+profiler, the medians of the host's issue time of the forward and of the whole step against the GPU's finish times
+(is the step host-paced? Session 18).
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def overrides(shape: str, kind: str, compile_: bool, ac: bool, loss: str, extra_
 
 
 def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: int, steps: int,
-            extra_overrides=(), profile_steps: int = 0) -> dict:
+            extra_overrides=(), profile_steps: int = 0, host_timing: bool = False) -> dict:
     """One (shape, kind) run in this process -> its figures (raises on failure)."""
     import torch
 
@@ -122,6 +124,7 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
         optimizer_step(opt, sched, ctrl, out, monitor, i + 1)
         return out
 
+    timing = HostTiming(model, cuda) if host_timing else None
     times = []
     gc_interval = cfg.train.gc_interval
     if gc_interval:  # as the trainer does: no automatic GC pauses inside steps, generations 0-1 every interval
@@ -131,10 +134,16 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
         for i in range(warmup + steps):
             sync()
             t0 = time.perf_counter()
+            if timing:
+                timing.start()
             out = step(i)
+            if timing:
+                timing.issued()
             sync()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                if timing:
+                    timing.record()
             if gc_interval and (i + 1) % gc_interval == 0:
                 gc.collect(1)
         kernels = profile_kernels(lambda i: step(warmup + steps + i), profile_steps) if profile_steps else None
@@ -152,7 +161,45 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
         "loss": float(out.loss), "realized_ratio": (sum(ratios.values()) / len(ratios)) if ratios else None,
         "params_total": total, "params_non_embedding": non_emb, "seq_len": T, "sequences": B,
         "loss_impl": loss_impl, **({"profile": kernels} if kernels else {}),
+        **({"host_timing": timing.summary()} if timing else {}),
     }
+
+
+class HostTiming:
+    """--host-timing: per measured step, when the host has issued the forward (the model's forward returned: the
+    loss is computed inside it) and the whole step, against when the GPU finished each (CUDA events), without a
+    profiler. A forward whose host issue time is close to its GPU time is host-paced: the GPU waits wherever the
+    host's per-layer work runs longer than the layer's kernels (docs/benchmarks.md, Session 18)."""
+
+    def __init__(self, model, cuda: bool):
+        import torch
+        self.torch, self.cuda, self.rows = torch, cuda, []
+        model.register_forward_hook(lambda *_: self._mark("fwd"))
+
+    def _mark(self, name: str):
+        self.host[name] = time.perf_counter()
+        if self.cuda:
+            self.events[name] = self.torch.cuda.Event(enable_timing=True)
+            self.events[name].record()
+
+    def start(self):
+        self.host, self.events = {}, {}
+        self._mark("start")
+
+    def issued(self):
+        self._mark("step")
+
+    def record(self):
+        """After the step's sync: its host-issue and GPU-finish times, ms from the step's start."""
+        row = {f"host_{k}_ms": 1e3 * (self.host[k] - self.host["start"]) for k in ("fwd", "step") if k in self.host}
+        if self.cuda:
+            row |= {f"gpu_{k}_ms": self.events["start"].elapsed_time(self.events[k]) for k in ("fwd", "step")
+                    if k in self.events}
+        self.rows.append(row)
+
+    def summary(self) -> dict:
+        """The median of each figure over the measured steps."""
+        return {k: round(statistics.median(r[k] for r in self.rows), 3) for k in self.rows[0]} if self.rows else {}
 
 
 def profile_kernels(step, n: int, top: int = 40) -> dict:
@@ -221,7 +268,7 @@ def worker(args) -> None:
     import torch
     try:
         res = measure(args.shape, args.kind, args.compile == "on", args.ac == "on", args.loss, args.warmup,
-                      args.steps, args.set, args.profile)
+                      args.steps, args.set, args.profile, args.host_timing)
     except torch.OutOfMemoryError as e:
         res = {"status": "oom", "error": str(e).splitlines()[0]}
     except Exception as e:  # noqa: BLE001 - reported in the table, the other runs go on
@@ -237,6 +284,7 @@ def run_one(shape: str, kind: str, compile_: str, ac: str, args) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--shape", shape, "--kind", kind,
                "--compile", compile_, "--ac", ac, "--loss", args.loss, "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--profile", str(args.profile), "--result", str(result),
+               *(["--host-timing"] if args.host_timing else []),
                *(f"--set={o}" for o in args.set)]
         try:
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
@@ -324,6 +372,10 @@ def parse_args(argv=None):
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="N more steps under torch.profiler: GPU busy and idle time, the top kernels and host ops "
                          "and the largest idle gaps (by the kernels before and after) per step in the JSON")
+    ap.add_argument("--host-timing", action="store_true",
+                    help="per run: the medians of the host's issue time of the forward and of the step against the "
+                         "GPU's finish times (CUDA events; no profiler) in the JSON and a table (is the step "
+                         "host-paced?)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (shape, kind) run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a train.py override for every run (repeatable), e.g. attention.recompute_branch_inputs=never")
@@ -354,7 +406,8 @@ def main(argv=None) -> None:
     rows = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps", "set", "repeats")}
+    settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps", "set", "repeats",
+                                              "host_timing")}
     for shape in shapes:
         ac = ("on" if SHAPES[shape][3] else "off") if args.ac == "auto" else args.ac
         for comp in compiles:
@@ -368,6 +421,9 @@ def main(argv=None) -> None:
                     figure = f"{r['ms_per_step']:.1f} ms/step" if r["status"] == "ok" else r["status"]
                     print(f"  {shape} {kind} compile={comp} ac={ac} repeat {rep}: {figure} ({r['wall_s']} s)",
                           flush=True)
+                    if r.get("host_timing"):
+                        print("    ms from the step's start: " + ", ".join(
+                            f"{k[:-3].replace('_', ' ')} {v:.1f}" for k, v in r["host_timing"].items()), flush=True)
                     out.write_text(json.dumps({**info, "settings": settings, "results": rows}, indent=1))
         print("\n" + table([r for r in rows if r["shape"] == shape], shape) + "\n", flush=True)
     print(f"wrote {out}")

@@ -22,8 +22,8 @@ def _model_step_module():
 def test_model_step_cpu_smoke(tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "benchmarks/model_step.py", "--shapes", "tiny", "--kinds", "full,logo",
-                        "--steps", "2", "--warmup", "0", "--out", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+                        "--steps", "2", "--warmup", "0", "--host-timing", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["results"]
@@ -31,9 +31,13 @@ def test_model_step_cpu_smoke(tmp_path):
     for r in rows:
         assert r["ms_per_step"] > 0 and r["tokens_per_s"] == pytest.approx(2 * 64 / (r["ms_per_step"] / 1e3))
         assert r["loss_impl"] == "chunked" and r["compile"] == "off" and r["ac"] == "off"
+        ht = r["host_timing"]  # CPU: host times only; the forward is issued before the step is
+        assert set(ht) == {"host_fwd_ms", "host_step_ms"} and 0 < ht["host_fwd_ms"] < ht["host_step_ms"]
+        assert ht["host_step_ms"] <= r["ms_max"] + 1e-3
     # lr 0 and quantile thresholds: the second step routes rho = 0.5 of the 128 rows, up to ties in the gates
     assert abs(rows[1]["realized_ratio"] - 0.5) <= 0.05, rows[1]["realized_ratio"]
     assert "| kind | compile | ms/step |" in p.stdout and "| logo | off |" in p.stdout
+    assert "ms from the step's start: host fwd" in p.stdout
 
 
 def test_model_step_rejects_unknown_filters():
