@@ -173,7 +173,7 @@ class HostTiming:
 
     def __init__(self, model, cuda: bool):
         import torch
-        self.torch, self.cuda, self.rows = torch, cuda, []
+        self.torch, self.cuda, self.rows, self.host, self.events = torch, cuda, [], {}, {}
         model.register_forward_hook(lambda *_: self._mark("fwd"))
 
     def _mark(self, name: str):
