@@ -109,14 +109,43 @@ def test_train_py_stops_with_one_line_naming_the_step_and_the_last_good_checkpoi
     assert saved == good and last_good == (str(ckpts / good[-1]) if good else "none"), (saved, last_good)
 
 
+def test_document_offsets_are_checked_on_the_host_only():
+    """A micro-batch's document offsets are checked on the host before the copy (a bad one is named before the
+    model runs); offsets already on a device are not read by the model (on a GPU that read synchronised every
+    forward): a meta-device layout builds without touching its values."""
+    from logo.model.layers import PackedSeqs
+
+    class NeverCalled(torch.nn.Module):
+        def forward(self, *a, **k):
+            raise AssertionError("the model ran on a bad batch")
+
+    t = torch.randint(0, V, (2, T + 1), generator=torch.Generator().manual_seed(0))
+    bad = Batch(t[:, :-1], t[:, 1:], torch.tensor([0, 9, 5, T, 2 * T], dtype=torch.int32),
+                torch.ones(2, T, dtype=torch.bool))
+    with pytest.raises(ValueError, match=rf"cu_seqlens must be increasing offsets over the flattened 2x{T} batch"
+                                         rf".*got \[0, 9, 5, {T}, {2 * T}\]"):
+        train_step(NeverCalled(), StepData([bad], 2 * T), device=CPU, autocast=nullcontext(), ctrl=None,
+                   grad_clip=1.0, world=1, sharded=False)
+    seqs = PackedSeqs.build(2, T, "meta", torch.tensor([0, 9, T, 2 * T], dtype=torch.int32, device="meta"))
+    assert seqs.has_documents and seqs.pos.shape == (2 * T,)
+    with pytest.raises(ValueError, match="every row boundary"):  # on the CPU the model checks them itself
+        PackedSeqs.build(2, T, "cpu", torch.tensor([0, 9, 2 * T], dtype=torch.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_step_makes_no_host_sync_on_cuda():
-    """Full attention without document offsets (the model then syncs nowhere): train_step + optimizer_step under
-    CUDA's sync debug mode, which raises on any synchronizing call."""
+@pytest.mark.parametrize("kind,documents", [("full", False), ("logo", True)])
+def test_step_makes_no_host_sync_on_cuda(kind, documents):
+    """train_step + optimizer_step under CUDA's sync debug mode, which raises on any synchronizing call: full
+    attention on whole rows, and LoGo on a batch with document offsets (checked on the host, not read on the
+    device)."""
     dev = torch.device("cuda")
-    model, opt, sched, ctrl, monitor = build(lr=1e-3, kind="full", device=dev)
-    data = StepData([batch(1).pin_memory(), batch(2).pin_memory()], 4 * T)
+    model, opt, sched, ctrl, monitor = build(lr=1e-3, kind=kind, device=dev)
+    mbs = [batch(1), batch(2)]
+    if documents:
+        cu = torch.tensor([0, 7, T, T + 20, 2 * T], dtype=torch.int32)
+        mbs = [Batch(mb.inputs, mb.labels, cu, mb.valid) for mb in mbs]
+    data = StepData([mb.pin_memory() for mb in mbs], 4 * T)
     for step in (1, 2):  # the first step allocates optimizer state
         torch.cuda.set_sync_debug_mode("error")
         try:

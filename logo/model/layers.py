@@ -100,6 +100,16 @@ class FeedForward(nn.Module):
         nn.init.normal_(self.w2.weight, std=out_std)
 
 
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> None:
+    """ValueError unless cu_seqlens (a CPU tensor) holds non-decreasing offsets over the flattened batch x seqlen
+    rows that include every row boundary (documents never cross rows)."""
+    rows = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int32)
+    cu = cu_seqlens.to(torch.int32)
+    if cu.dim() != 1 or not bool(torch.isin(rows, cu).all()) or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be increasing offsets over the flattened {batch}x{seqlen} batch that "
+                         f"include every row boundary (multiples of {seqlen}); got {cu.flatten().tolist()[:16]}")
+
+
 @dataclass
 class PackedSeqs:
     """Document layout of a (B, T) batch flattened to N = B*T rows.
@@ -126,12 +136,11 @@ class PackedSeqs:
         n = batch * seqlen
         rows = torch.arange(0, n + 1, seqlen, device=device, dtype=torch.int32)
         has_docs = cu_seqlens is not None and cu_seqlens.shape[0] != rows.shape[0]
+        if cu_seqlens is not None and cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Offsets already on an accelerator are not read here: that would synchronise every forward with the
+            # device. The trainer checks each micro-batch's offsets on the host before its copy (logo.train.step).
+            check_cu_seqlens(cu_seqlens, batch, seqlen)
         cu = cu_seqlens.to(device=device, dtype=torch.int32) if has_docs else rows
-        if has_docs and not torch.compiler.is_compiling():
-            if cu.dim() != 1 or not bool(torch.isin(rows, cu).all()) or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(f"cu_seqlens must be increasing offsets over the flattened {batch}x{seqlen} "
-                                 f"batch that include every row boundary (multiples of {seqlen}); "
-                                 f"got {cu.tolist()[:16]}")
         # The document count changes from batch to batch (a batch of whole-row documents has B): compiled graphs
         # take it as a symbol instead of recompiling on the second batch.
         torch._dynamo.maybe_mark_dynamic(cu, 0)

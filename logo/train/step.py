@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from data.loader import Batch, StepData
+from logo.model.layers import check_cu_seqlens
 from logo.model.lm_head import fused_lm_loss_sum, lm_loss_sum
 
 
@@ -99,6 +100,8 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
     n_micro = len(micro) * ranks
     loss_sum = torch.zeros((), device=device)
     for i, cpu_mb in enumerate(micro):
+        if cpu_mb.cu_seqlens is not None and cpu_mb.cu_seqlens.device.type == "cpu":
+            check_cu_seqlens(cpu_mb.cu_seqlens, *cpu_mb.inputs.shape)  # on the host: the model reads none on a GPU
         cpu_mb, positions, cp_ctx = _context_parallel(cpu_mb, dims, window, device)
         with phase("h2d"):
             mb = cpu_mb.to(device)  # non-blocking; a true async copy from the loader's pinned memory
