@@ -59,7 +59,6 @@ _LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
 def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
