@@ -219,6 +219,23 @@ def _grads_with(override, fns, inputs, g):
         _attn.CONFIG_OVERRIDE.clear()
 
 
+@pytest.mark.parametrize("smem,stages", [(232448, 4), (166912, 3), (0, 3)])
+def test_four_stage_backward_only_where_shared_memory_allows(smem, stages, monkeypatch):
+    """The global kernels' backward runs 4 pipeline stages on GPUs with Hopper's 227 KB of shared memory per
+    program and keeps 3 where there is less (an A100's 163 KB; the 4-stage configs were measured on an H200 only),
+    at head dim 128 in 16 bits only; the window kernels and the forward are unchanged."""
+    monkeypatch.setattr(_attn, "INTERPRET", False)
+    monkeypatch.setattr(_attn, "_shared_memory", lambda device: smem)
+    monkeypatch.setattr(_attn, "_has_tma", lambda device: smem > 0)
+    cuda = torch.device("cuda")
+    cfg = _attn._default_cfg.__wrapped__  # not the per-device cache
+    glob = cfg(128, torch.bfloat16, "global", cuda)
+    assert glob["dq"][3] == glob["dkdv"][3] == stages and glob["fwd"] == (128, 128, 8, 3)
+    for other in (cfg(64, torch.bfloat16, "global", cuda), cfg(128, torch.bfloat16, "window", cuda),
+                  cfg(128, torch.float32, "global", cuda), cfg(256, torch.bfloat16, "global", cuda)):
+        assert other["dq"][3] != 4 and other["dkdv"][3] != 4
+
+
 @pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 @pytest.mark.parametrize("case", ["none", "one", "all", "random", "skip_a_seq", "window7", "causal"])
 def test_tma_loads_equal_pointer_loads(case, dq_mode, monkeypatch):

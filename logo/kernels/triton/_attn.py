@@ -63,6 +63,11 @@ def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on the device, in bytes (0 where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
 def _cfg(D: int, dtype: torch.dtype, window: int, device: torch.device) -> dict:
     """Launch parameters per kernel, (BM, BN, warps, stages), the dQ strategy, and `desc`: TMA tile loads (Hopper
     on) of K/V in the forward and of q/dO in the dK/dV kernel (H100, D=128: forward 1.2x, backward 1.08x faster;
@@ -90,6 +95,8 @@ def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) ->
         c = dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
     else:  # global / causal, D=128: best of the H100 sweep in docs/benchmarks.md
         c = dict(fwd=(128, 128, 8, 3), dq=(128, 64, 8, 3), dkdv=(64, 128, 8, 3), dq_mode="separate")
+        if D == 128 and _shared_memory(device) >= 227 << 10:  # Hopper: 4-stage backward (64k: ~1.4-3%, Session 19)
+            c.update(dq=(128, 64, 8, 4), dkdv=(64, 128, 8, 4))
     c["desc"] = dtype != torch.float32 and D >= 128 and not INTERPRET and _has_tma(device)
     return c
 
