@@ -95,7 +95,7 @@ def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) ->
         c = dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
     else:  # global / causal, D=128: best of the H100 sweep in docs/benchmarks.md
         c = dict(fwd=(128, 128, 8, 3), dq=(128, 64, 8, 3), dkdv=(64, 128, 8, 3), dq_mode="separate")
-        if D == 128 and _shared_memory(device) >= 227 << 10:  # Hopper: 4-stage backward (64k: ~1.4-3%, Session 19)
+        if D == 128 and _shared_memory(device) >= 227 << 10:  # Hopper: 4-stage backward (~1.4% at 64k, Session 19)
             c.update(dq=(128, 64, 8, 4), dkdv=(64, 128, 8, 4))
     c["desc"] = dtype != torch.float32 and D >= 128 and not INTERPRET and _has_tma(device)
     return c
