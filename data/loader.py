@@ -37,10 +37,35 @@ class Batch:
         return Batch(self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), cu,
                      self.valid.to(device, non_blocking=True))
 
+    def with_bucketed_offsets(self) -> "Batch":
+        """This batch with its document offsets padded to a bucketed length (`bucket_doc_offsets`)."""
+        if self.cu_seqlens is None:
+            return self
+        return Batch(self.inputs, self.labels, bucket_doc_offsets(self.cu_seqlens, self.inputs.shape[0]),
+                     self.valid)
+
     def pin_memory(self) -> "Batch":
         """A copy in page-locked memory, so that `to(cuda)` is a true asynchronous copy."""
         cu = None if self.cu_seqlens is None else self.cu_seqlens.pin_memory()
         return Batch(self.inputs.pin_memory(), self.labels.pin_memory(), cu, self.valid.pin_memory())
+
+
+def bucket_doc_offsets(cu: torch.Tensor, rows: int, smallest: int = 16) -> torch.Tensor:
+    """Document offsets cu (S+1,) padded to a power-of-two length (at least `smallest`) with copies of the last
+    offset: empty documents at the end, which the model and its kernels skip (same outputs and gradients).
+
+    CUDA graphs (train.compile_mode=reduce-overhead) record one graph per distinct input shape, and the number
+    of documents in a micro-batch changes from batch to batch: without buckets every new count costs a recording
+    (a slow step and the graph's memory), with them one per power of two (at most log2 of the rows' tokens).
+    Offsets of a batch without documents inside its rows (rows + 1 entries: the row boundaries) are returned
+    unchanged, since the model runs those as plain rows."""
+    n = cu.shape[0]
+    if n == rows + 1:
+        return cu
+    size = max(smallest, 1 << (n - 1).bit_length())
+    if size == n:
+        return cu
+    return torch.cat((cu, cu[-1:].expand(size - n)))
 
 
 @dataclass

@@ -23,9 +23,12 @@ class StepLoader:
     """Yields `StepData` in order; the same batches with or without the background thread."""
 
     def __init__(self, loader: TokenLoader, prefetch: bool = True, pin_memory: bool = False,
-                 device: Optional[torch.device] = None, depth: int = 2):
+                 device: Optional[torch.device] = None, depth: int = 2, doc_buckets: bool = False):
+        """doc_buckets: pad every micro-batch's document offsets to a bucketed length (`bucket_doc_offsets`;
+        for CUDA graphs, which record one graph per input shape)."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+        self.doc_buckets = doc_buckets
         if device is not None and device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU, seen from the main thread
         self.loader, self.prefetch, self.pin, self.device, self.depth = loader, prefetch, pin_memory, device, depth
@@ -35,6 +38,8 @@ class StepLoader:
 
     def _build(self, b: int) -> StepData:
         data = self.loader.step_data(b)
+        if self.doc_buckets:
+            data = StepData([mb.with_bucketed_offsets() for mb in data.micro_batches], data.target_tokens)
         if self.pin:
             data = StepData([mb.pin_memory() for mb in data.micro_batches], data.target_tokens)
         return data

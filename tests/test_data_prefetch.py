@@ -120,3 +120,31 @@ def test_pinned_batches_on_cuda(prepared):
         same_batches([mb.to("cuda") for mb in got], [mb.to("cuda") for mb in sync.next_step()])
     finally:
         pre.close()
+
+
+def test_doc_buckets_pad_only_the_offsets(prepared):
+    """doc_buckets (the trainer's setting under CUDA graphs): every micro-batch's document offsets padded to a
+    power-of-two length with copies of the last offset; tokens, labels, validity and the loader's position as
+    without it, and batches without documents inside their rows left as they are."""
+    from data.loader import bucket_doc_offsets
+    out, _ = prepared
+    plain, inner = loaders(out, document_mask=True)
+    bucketed = StepLoader(inner, prefetch=False, doc_buckets=True)
+    padded = 0
+    for _ in range(6):
+        want, got = plain.next_step(), bucketed.next_step().micro_batches
+        for x, y in zip(want, got):
+            assert torch.equal(x.inputs, y.inputs) and torch.equal(x.labels, y.labels)
+            assert torch.equal(x.valid, y.valid)
+            n = x.cu_seqlens.shape[0]
+            assert torch.equal(y.cu_seqlens[:n], x.cu_seqlens) and (y.cu_seqlens[n:] == M * T).all()
+            size = y.cu_seqlens.shape[0]
+            assert size == n if n == M + 1 else (size >= max(n, 16) and size & (size - 1) == 0)
+            padded += size > n
+    assert padded  # the corpus has documents shorter than a row
+    assert inner.batches_consumed == plain.batches_consumed == 6
+    rows = torch.tensor([0, T, 2 * T], dtype=torch.int32)  # documents never inside a row: plain rows
+    assert bucket_doc_offsets(rows, rows=2) is rows
+    exact = torch.arange(0, 16 * 4, 4, dtype=torch.int32)  # already a bucket's length
+    assert bucket_doc_offsets(exact, rows=1) is exact
+    assert bucket_doc_offsets(torch.arange(0, 17 * 4, 4, dtype=torch.int32), rows=1).shape == (32,)

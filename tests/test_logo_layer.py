@@ -204,6 +204,40 @@ def test_attention_never_crosses_documents(kind):
     assert not torch.allclose(base[0, :10], after[0, :10])
 
 
+@pytest.mark.parametrize("kind", ["logo", "full", "local", "intra_layer", "inter_layer"])
+def test_bucketed_document_offsets_change_nothing(kind):
+    """A micro-batch's offsets padded to a power-of-two length (`data.loader.bucket_doc_offsets`: empty documents
+    at the end, a static shape for CUDA graphs) give every kind the same loss and gradients in float64."""
+    from data.loader import bucket_doc_offsets
+    from logo.config import model_config
+    from logo.model import Transformer
+    torch.manual_seed(0)
+    cfg = model_config("tiny", vocab_size=500, attention=AttentionConfig(kind=kind, window=4))
+    model = Transformer(cfg)
+    model.init_weights()
+    model.double()
+    with torch.no_grad():  # a gate that selects some rows and not others
+        for m in model.modules():
+            if isinstance(m, LoGoAttention):
+                m.gate.weight.normal_(0, 0.5)
+    tokens = torch.randint(0, 500, (2, 24))
+    labels = torch.randint(0, 500, (2, 24))
+    cu = torch.tensor([0, 10, 24, 30, 31, 48], dtype=torch.int32)
+    padded = bucket_doc_offsets(cu, rows=2)
+    assert padded.shape == (16,) and torch.equal(padded[:6], cu) and (padded[6:] == 48).all()
+    results = []
+    for offsets in (cu, padded):
+        model.zero_grad()
+        out = model(tokens, cu_seqlens=offsets, labels=labels, loss_impl="plain")
+        out.loss_sum.backward()
+        results.append((out.loss_sum.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (loss, grads), (loss2, grads2) = results
+    torch.testing.assert_close(loss2, loss, atol=1e-12, rtol=0)
+    assert len(grads) == len(grads2)
+    for a, b in zip(grads, grads2):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
+
+
 def test_gate_logit_is_fp32_under_autocast():
     """Routing decisions compare p with the threshold: the gate's product stays fp32 under bf16 autocast."""
     from logo.model.logo_attention import Gate

@@ -189,6 +189,26 @@ def test_causal_matches_reference(layout, dtype):
     check_all(out, grads, want, wgrads, dtype, "causal")
 
 
+@pytest.mark.parametrize("case", ["random", "window7", "causal"])
+def test_trailing_empty_sequences_change_nothing(case):
+    """Offsets padded with copies of their last entry (`data.loader.bucket_doc_offsets`, a static length for CUDA
+    graphs; `partition` pads cu_seqlens_q the same way) give the kernels and the reference the same outputs and
+    gradients, bit for bit, as the offsets without the empty sequences."""
+    lengths = LENGTHS["docs"]
+    (q, k, v), cu = packed(lengths, 2, 16, torch.float32, seed=4)
+    pad = lambda c: torch.cat((c, c[-1:].expand(5)))  # noqa: E731
+    if case == "random":
+        rows, q_pos, cu_q = select(lengths, case, seed=6)
+        plain, padded = qsparse(rows, q_pos, cu_q, cu), qsparse(rows, q_pos, pad(cu_q), pad(cu))
+    else:
+        fns = (lambda c: window_fns(c, 7)) if case == "window7" else causal_fns
+        plain, padded = fns(cu), fns(pad(cu))
+    out, grads, want, wgrads = run_both(*plain, [q, k, v], torch.float32, seed=13)
+    out2, grads2, want2, wgrads2 = run_both(*padded, [q, k, v], torch.float32, seed=13)
+    for a, b in zip((out, *grads, want, *wgrads), (out2, *grads2, want2, *wgrads2)):
+        assert torch.equal(a, b)
+
+
 @pytest.fixture
 def atomic_dq():
     """Switch both kernel kinds to the atomic-dQ backward for one test."""

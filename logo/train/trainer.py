@@ -111,7 +111,10 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.de
     # ranks of one data shard (its tp x cp ranks) read the same sequences
     loader = TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, dims.data_rank, dims.dp, cfg.data.seed,
                          cfg.data.document_mask)
-    return StepLoader(loader, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda", device=device)
+    # CUDA graphs record one graph per input shape: document offsets in power-of-two buckets, not one per count
+    cuda_graphs = cfg.train.compile and cfg.train.compile_mode == "reduce-overhead"
+    return StepLoader(loader, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda", device=device,
+                      doc_buckets=cuda_graphs)
 
 
 def lr_factor(step: int, plan: Plan) -> float:
