@@ -69,6 +69,27 @@ def test_perplexity_equals_mean_of_direct_token_losses(run, loaded):
     assert res["loss"] == pytest.approx(trained[-1]["eval/loss"], abs=1e-5)
 
 
+def test_heldout_eval_under_cuda_graphs_buckets_the_offsets_and_gives_the_same_loss(run, loaded):
+    """With train.compile_mode=reduce-overhead the held-out evaluation pads each batch's document offsets to a
+    bucketed length, as the training batches (`data.loader.bucket_doc_offsets`): the same loss."""
+    from data.loader import ShardDataset, TokenLoader
+    from logo.eval.heldout import HeldOutEval
+    from logo.eval.perplexity import corpus_path
+    from logo.train.config import compose
+    from logo.train.plan import make_plan
+    train = TokenLoader(ShardDataset(corpus_path(loaded, None), "train"), T, 4, 2)
+    losses = []
+    for mode in ("default", "reduce-overhead"):
+        cfg, _, name = compose([*RUN, "train.compile=true", f"train.compile_mode={mode}"])
+        plan = make_plan(cfg, 1, name)
+        ev = HeldOutEval(cfg, plan, train, 0, 1, torch.device("cpu"))
+        assert ev.doc_buckets == (mode == "reduce-overhead")
+        losses.append(ev.maybe_evaluate(plan.steps, loaded.model, torch.autocast("cpu", enabled=False))["eval/loss"])
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+    batches = list(ev.loader.iter_eval(max_batches=ev.batches))  # documents inside the rows: padding happened
+    assert any(b.with_bucketed_offsets().cu_seqlens.shape[0] > b.cu_seqlens.shape[0] for b in batches)
+
+
 def test_cli_perplexity_writes_results_and_metrics(run):
     d = run[0]
     assert main(["perplexity", str(d), "--tokens", "128", "--device", "cpu"]) == 0

@@ -25,6 +25,8 @@ class HeldOutEval:
         """rank / world: this rank's data shard and the number of shards; group: the ranks holding different
         shards (None: the default group). Ranks of one shard (tensor/context parallel) compute the same sums."""
         self.group = group
+        # CUDA graphs record one graph per input shape: document offsets in buckets, as the training batches'
+        self.doc_buckets = cfg.train.compile and cfg.train.compile_mode == "reduce-overhead"
         e = cfg.eval
         self.interval, self.last_step, self.device = e.interval, plan.steps, device
         self.last_seconds = 0.0
@@ -53,7 +55,7 @@ class HeldOutEval:
         for j, b in enumerate(self.loader.iter_eval(max_batches=self.batches)):
             window = self.rank + self.world * (j * self.micro + torch.arange(self.micro))  # (M,) window ids
             labels = b.labels.masked_fill((window >= self.windows)[:, None], IGNORE_INDEX).to(self.device)
-            b = b.to(self.device)
+            b = (b.with_bucketed_offsets() if self.doc_buckets else b).to(self.device)
             with autocast:  # chunked: without gradients it only takes the loss, one chunk of logits at a time
                 ce = model(b.inputs, cu_seqlens=b.cu_seqlens, valid=b.valid, labels=labels,
                            loss_impl="chunked").loss_sum
