@@ -26,7 +26,7 @@ class HeldOutEval:
         shards (None: the default group). Ranks of one shard (tensor/context parallel) compute the same sums."""
         self.group = group
         # CUDA graphs record one graph per input shape: document offsets in buckets, as the training batches'
-        self.doc_buckets = cfg.train.compile and cfg.train.compile_mode == "reduce-overhead"
+        self.doc_buckets = cfg.train.cuda_graphs
         e = cfg.eval
         self.interval, self.last_step, self.device = e.interval, plan.steps, device
         self.last_seconds = 0.0

@@ -63,6 +63,11 @@ class TrainConfig:
     # generations 0-1 every gc_interval steps on every rank at once (and fully at checkpoints). 0: automatic GC.
     gc_interval: int = 50
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """The blocks are replayed as CUDA graphs (train.compile with compile_mode=reduce-overhead)."""
+        return self.compile and self.compile_mode == "reduce-overhead"
+
 
 @dataclass
 class DataConfig:

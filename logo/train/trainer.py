@@ -112,9 +112,8 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.de
     loader = TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, dims.data_rank, dims.dp, cfg.data.seed,
                          cfg.data.document_mask)
     # CUDA graphs record one graph per input shape: document offsets in power-of-two buckets, not one per count
-    cuda_graphs = cfg.train.compile and cfg.train.compile_mode == "reduce-overhead"
     return StepLoader(loader, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda", device=device,
-                      doc_buckets=cuda_graphs)
+                      doc_buckets=cfg.train.cuda_graphs)
 
 
 def lr_factor(step: int, plan: Plan) -> float:
@@ -246,7 +245,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     `save_final=False` skips the checkpoint after the last step (benchmarks)."""
     device, rank, world = _setup_distributed(cfg)
     loss_impl = _loss_impl(cfg, device, rank)  # fails here, before the run directory is locked
-    if cfg.train.compile and cfg.train.compile_mode == "reduce-overhead" and world > 1:
+    if cfg.train.cuda_graphs and world > 1:
         raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with {world} ranks: CUDA graphs of "
                           "the blocks need one device (FSDP and tensor parallelism communicate inside them); use "
                           "train.compile_mode=default")
