@@ -237,30 +237,37 @@ def profile_kernels(step, n: int, top: int = 40) -> dict:
 def idle_gaps(prof, n: int, top: int) -> dict:
     """Where the GPU waits between the profiled steps' kernels: the idle time per step (gaps between consecutive
     kernels, copies and memsets on the GPU timeline) and the `top` (kernel before, kernel after) pairs by the idle
-    time between them (a host-bound stretch shows as many short gaps before the same kernels)."""
+    time between them (a host-bound stretch shows as many short gaps before the same kernels). Each gap is split by
+    when the host's launch call of the kernel after it returned: the part before that is host-bound (the GPU had
+    run out of queued work), the rest queued (the kernel was issued in time: launch latency on the GPU, or a wait
+    on something else). The profiler's own per-launch host time inflates the host-bound part."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "?")) for e in events
-                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
+    issued = {e["args"]["correlation"]: e["ts"] + e.get("dur", 0) for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "?"), e.get("args", {}).get("correlation"))
+                 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
     pairs: dict = {}
-    total = 0.0
+    total = host_bound = 0.0
     end = gpu[0][1] if gpu else 0.0
     prev = gpu[0][2] if gpu else ""
-    for start, stop, name in gpu[1:]:
+    for start, stop, name, corr in gpu[1:]:
         gap = start - end
         if gap > 0:
+            waited = min(max(issued.get(corr, end) - end, 0.0), gap)  # idle before the host had issued it
             total += gap
+            host_bound += waited
             key = (prev[:60], name[:60])
-            t, c = pairs.get(key, (0.0, 0))
-            pairs[key] = (t + gap, c + 1)
+            t, h, c = pairs.get(key, (0.0, 0.0, 0))
+            pairs[key] = (t + gap, h + waited, c + 1)
         if stop >= end:
             end, prev = stop, name
     worst = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"gpu_idle_ms_per_step": total / 1e3 / n,
-            "idle_gaps": [{"before": a, "after": b, "ms": round(t / 1e3 / n, 4), "gaps": c / n}
-                          for (a, b), (t, c) in worst]}
+    return {"gpu_idle_ms_per_step": total / 1e3 / n, "gpu_idle_host_bound_ms_per_step": host_bound / 1e3 / n,
+            "idle_gaps": [{"before": a, "after": b, "ms": round(t / 1e3 / n, 4),
+                           "host_bound_ms": round(h / 1e3 / n, 4), "gaps": c / n} for (a, b), (t, h, c) in worst]}
 
 
 def worker(args) -> None:

@@ -125,3 +125,27 @@ def test_idle_gaps_sum_the_gpu_timeline_gaps_by_kernel_pair():
     assert out["gpu_idle_ms_per_step"] == pytest.approx(33 / 1e3 / 2)
     got = {(g["before"], g["after"]): (g["ms"], g["gaps"]) for g in out["idle_gaps"]}
     assert got == {("a", "b"): (0.0075, 1.0), ("b", "m"): (0.005, 0.5), ("m", "a"): (0.004, 0.5)}
+
+
+def test_idle_gaps_split_by_when_the_host_issued_the_next_kernel():
+    """The part of a gap before the next kernel's launch call returned is host-bound; a kernel issued before the
+    GPU ran dry leaves only queued idle time."""
+    model_step = _model_step_module()
+    events = [dict(cat="kernel", name="a", ts=0, dur=10, args=dict(correlation=1)),
+              dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=9, dur=4, args=dict(correlation=2)),
+              dict(cat="kernel", name="b", ts=15, dur=5, args=dict(correlation=2)),  # gap 5, host-bound 3
+              dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=1, dur=2, args=dict(correlation=3)),
+              dict(cat="kernel", name="c", ts=26, dur=4, args=dict(correlation=3)),  # gap 6, issued long before
+              dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=40, dur=5, args=dict(correlation=4)),
+              dict(cat="kernel", name="d", ts=44, dur=1, args=dict(correlation=4))]  # gap 14, all host-bound
+
+    class Prof:
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+    out = model_step.idle_gaps(Prof(), n=1, top=5)
+    assert out["gpu_idle_ms_per_step"] == pytest.approx(25 / 1e3)
+    assert out["gpu_idle_host_bound_ms_per_step"] == pytest.approx(17 / 1e3)
+    got = {(g["before"], g["after"]): g["host_bound_ms"] for g in out["idle_gaps"]}
+    assert got == {("a", "b"): 0.003, ("b", "c"): 0.0, ("c", "d"): 0.014}

@@ -54,6 +54,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from logo.kernels.triton._kernels import _delta_kernel, _dkdv_kernel, _dq_kernel, _fwd_kernel, _split_kernel
+from logo.kernels.triton._launch import launch
 
 _LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -179,12 +180,11 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int):
     nseq, steps = _steps(cu_q)
     nb = triton.cdiv(n, BM)
     kd, vd = _descs(c, BN, k, v)
-    _fwd_kernel[(nb * H,)](
-        q, k, v, o, lse, cu_q if dense_q else rows, cu_q if dense_q else q_pos, cu_q, cu_k, n, nseq, steps, window,
-        nb, H, head_group(H, k),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        scale * _LOG2E, kd, vd, WINDOWED=window > 0, DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=_prec(q.dtype),
-        DESC=kd is not None, num_warps=warps, num_stages=stages)
+    launch(_fwd_kernel, (nb * H,), q, k, v, o, lse, cu_q if dense_q else rows, cu_q if dense_q else q_pos, cu_q, cu_k,
+        n, nseq, steps, window, nb, H, head_group(H, k), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), o.stride(0), o.stride(1), scale * _LOG2E, kd, vd, WINDOWED=window > 0,
+        DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=_prec(q.dtype), DESC=kd is not None, num_warps=warps,
+        num_stages=stages)
     return o, lse
 
 
@@ -226,21 +226,19 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     kidx = cu_k if dense_q else _empty(n, like=q, dtype=torch.int32)
     atomic = c["dq_mode"] == "atomic"
     if atomic:  # delta, the copies and the key rows in their own pass; dQ from the dK/dV kernel
-        _delta_kernel[(triton.cdiv(n, 64), H)](o, do, delta, rows_, cu_q, n, nseq, o.stride(0), o.stride(1),
-                                               do.stride(0), do.stride(1), q, qc, doc, q.stride(0), q.stride(1),
-                                               qpos_, cu_k, kidx, nk, steps,
-                                               DENSE_Q=dense_q, COMPACT=compact, BM=64, D=D, num_warps=4)
+        launch(_delta_kernel, (triton.cdiv(n, 64), H), o, do, delta, rows_, cu_q, n, nseq, o.stride(0), o.stride(1),
+            do.stride(0), do.stride(1), q, qc, doc, q.stride(0), q.stride(1), qpos_, cu_k, kidx, nk, steps,
+            DENSE_Q=dense_q, COMPACT=compact, BM=64, D=D, num_warps=4)
         dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     else:  # the dQ kernel writes delta, the copies and the key rows in its prologue
         dq = _empty(*q.shape, like=q)
         BM, BN, warps, stages = c["dq"]
         nb = triton.cdiv(n, BM)
-        _dq_kernel[(nb * H,)](
-            q, k, v, o, do, dq, lse, delta, qc, doc, kidx, rows_, qpos_, cu_q, cu_k, n, nseq, nk, steps, window, nb,
-            H, head_group(H, k), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), scale * _LOG2E, scale,
-            WINDOWED=window > 0, DENSE_Q=dense_q, COMPACT=compact, BM=BM, BN=BN, D=D, PREC=prec, num_warps=warps,
-            num_stages=stages)
+        launch(_dq_kernel, (nb * H,), q, k, v, o, do, dq, lse, delta, qc, doc, kidx, rows_, qpos_, cu_q, cu_k, n,
+            nseq, nk, steps, window, nb, H, head_group(H, k), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0),
+            dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, DENSE_Q=dense_q, COMPACT=compact, BM=BM, BN=BN,
+            D=D, PREC=prec, num_warps=warps, num_stages=stages)
     dk = _empty(*k.shape, like=k)
     dv = _empty(*v.shape, like=v)
     BM, BN, warps, stages = c["dkdv"]
@@ -248,15 +246,13 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     split = cu_k
     if not dense_q:
         split = _empty(2 * nbk, like=q, dtype=torch.int32)
-        _split_kernel[(triton.cdiv(2 * nbk, _SPLIT_BLOCK),)](kidx, split, n, nk, nbk, n.bit_length(), BN=BN,
-                                                             BLOCK=_SPLIT_BLOCK, num_warps=4)
-    _dkdv_kernel[(nbk * H,)](
-        q, k, v, do, dk, dv, dq, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk, nseq, steps, window, H,
-        head_group(H, q), qd, dod,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), scale * _LOG2E, scale,
-        WINDOWED=window > 0, DENSE_Q=dense_q, ATOMIC_DQ=atomic, BM=BM, BN=BN, D=D, PREC=prec, DESC=qd is not None,
-        num_warps=warps, num_stages=stages)
+        launch(_split_kernel, (triton.cdiv(2 * nbk, _SPLIT_BLOCK),), kidx, split, n, nk, nbk, n.bit_length(), BN=BN,
+            BLOCK=_SPLIT_BLOCK, num_warps=4)
+    launch(_dkdv_kernel, (nbk * H,), q, k, v, do, dk, dv, dq, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk,
+        nseq, steps, window, H, head_group(H, q), qd, dod, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        dq.stride(0), dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, DENSE_Q=dense_q, ATOMIC_DQ=atomic,
+        BM=BM, BN=BN, D=D, PREC=prec, DESC=qd is not None, num_warps=warps, num_stages=stages)
     if atomic:
         dq = (dq * scale).to(q.dtype)
     return dq, dk, dv

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from logo.kernels.triton._attn import INTERPRET, _check_dims
+from logo.kernels.triton._launch import launch
 
 
 @triton.jit
@@ -108,9 +109,8 @@ def context_fuse_forward(o_local, o_global, p, z, w_local, w_global, eps: float,
     if N == 0:
         return out
     BM, warps = _launch("fwd", o_local)
-    _context_fuse_fwd_kernel[(triton.cdiv(N, BM), H)](
-        o_local, o_global, p, z.view(torch.uint8), w_local, w_global, out, N, eps, BM=BM, D=D,
-        WEIGHTED=weighted, num_warps=warps)
+    launch(_context_fuse_fwd_kernel, (triton.cdiv(N, BM), H), o_local, o_global, p, z.view(torch.uint8), w_local,
+        w_global, out, N, eps, BM=BM, D=D, WEIGHTED=weighted, num_warps=warps)
     return out
 
 
@@ -125,7 +125,6 @@ def context_fuse_backward(grad, o_local, o_global, p, z, w_local, w_global, eps:
     nb = triton.cdiv(N, BM)
     dp = torch.empty((H, N), device=p.device, dtype=torch.float32)  # per-head partial sums
     dw = torch.empty((2, nb, H, D), device=o_local.device, dtype=torch.float32)  # per-block partial sums
-    _context_fuse_bwd_kernel[(nb, H)](
-        grad, o_local, o_global, p, z.view(torch.uint8), w_local, w_global, d_local, d_global, dp, dw[0], dw[1],
-        N, eps, BM=BM, D=D, WEIGHTED=weighted, num_warps=warps)
+    launch(_context_fuse_bwd_kernel, (nb, H), grad, o_local, o_global, p, z.view(torch.uint8), w_local, w_global,
+        d_local, d_global, dp, dw[0], dw[1], N, eps, BM=BM, D=D, WEIGHTED=weighted, num_warps=warps)
     return d_local, d_global, dp.sum(0).to(p.dtype), dw[0].sum(0), dw[1].sum(0)

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from logo.kernels.triton._attn import INTERPRET, _check_dims, _prec
 from logo.kernels.triton._kernels import _dot
+from logo.kernels.triton._launch import launch
 
 
 @triton.jit
@@ -196,9 +197,8 @@ def rope_transform_forward(q, k, v, A, cos, sin):
     if N == 0:
         return tuple(outs)
     BM, RB, warps = _launch("fwd", q)
-    _rope_transform_fwd_kernel[(triton.cdiv(N, BM * RB), H, 3)](
-        q, k, v, A, cos, sin, *outs, N, cos.shape[0], *_strides(q, k, v), BM=BM, RB=RB, D=D, PREC=_prec(q.dtype),
-        num_warps=warps)
+    launch(_rope_transform_fwd_kernel, (triton.cdiv(N, BM * RB), H, 3), q, k, v, A, cos, sin, *outs, N, cos.shape[0],
+        *_strides(q, k, v), BM=BM, RB=RB, D=D, PREC=_prec(q.dtype), num_warps=warps)
     return tuple(outs)
 
 
@@ -239,8 +239,8 @@ def _transform_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     rows_per = triton.cdiv(triton.cdiv(N, chunks), BK) * BK
     chunks = triton.cdiv(N, rows_per)
     part = torch.empty((chunks, 3, H, D, D), device=q.device, dtype=torch.float32)
-    _transform_grad_kernel[(chunks, H, 3)](q, k, v, g, part, N, rows_per, *_strides(q, k, v), BK=BK, D=D,
-                                           PREC=_prec(q.dtype), num_warps=warps)
+    launch(_transform_grad_kernel, (chunks, H, 3), q, k, v, g, part, N, rows_per, *_strides(q, k, v), BK=BK, D=D,
+        PREC=_prec(q.dtype), num_warps=warps)
     return part.sum(0) if chunks > 1 else part[0]
 
 
@@ -254,7 +254,7 @@ def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, gv=None
         return dq, dk, dv, torch.zeros((3, H, D, D), device=q.device, dtype=torch.float32)
     g = torch.empty((3, N, H, D), device=q.device, dtype=q.dtype)
     BM, RB, warps = _launch("bwd", q)
-    _rope_transform_bwd_kernel[(triton.cdiv(N, BM * RB), H, 3)](
-        gq, gk, gqy, gky, gvy, gq if gv is None else gv, A, cos, sin, dq, dk, dv, g, N, cos.shape[0], BM=BM,
-        RB=RB, D=D, PREC=_prec(q.dtype), HAS_GV=gv is not None, num_warps=warps)
+    gv_ = gq if gv is None else gv
+    launch(_rope_transform_bwd_kernel, (triton.cdiv(N, BM * RB), H, 3), gq, gk, gqy, gky, gvy, gv_, A, cos, sin, dq,
+        dk, dv, g, N, cos.shape[0], BM=BM, RB=RB, D=D, PREC=_prec(q.dtype), HAS_GV=gv is not None, num_warps=warps)
     return dq, dk, dv, _transform_grads(q, k, v, g)
