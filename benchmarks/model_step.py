@@ -33,7 +33,8 @@ ms/step and the median of each round's ratio to full attention. The small shape'
 varied by up to 40% between processes of the same code on the GPU machines (docs/benchmarks.md, Session 11).
 `--profile N` times N more steps under torch.profiler (back to back, no sync between them) and adds per step: GPU
 busy time, the top kernels and host ops, the GPU's idle time and its largest idle gaps by the kernels on either side
-(where a host-bound stretch makes the GPU wait; docs/benchmarks.md, Session 16). `--host-timing` adds, without a
+(where a host-bound stretch makes the GPU wait; docs/benchmarks.md, Session 16), each split into the part before the
+host's launch call of the next kernel returned (host-bound) and the rest (Session 21). `--host-timing` adds, without a
 profiler, the medians of the host's issue time of the forward and of the whole step against the GPU's finish times
 (is the step host-paced? Session 18).
 """
