@@ -163,8 +163,10 @@ def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, GVY, GV, A, COS, SIN, DQ, DK, D
 
 
 # (rows per block, blocks per program, warps) of each kernel on a GPU, for 2-byte inputs with D <= 128;
-# benchmarks/rope_transform.py sweeps them. Wider rows get fewer rows per block (see `_launch`).
-CONFIG = {"fwd": (64, 1, 4), "bwd": (64, 4, 4)}
+# benchmarks/rope_transform.py sweeps them. Wider rows get fewer rows per block (see `_launch`). The backward's
+# two blocks per program: H200 sweep at 32768 x 4 x 64 and 8192 x 16 x 128, 0.082 / 0.165 ms against 0.101 / 0.171
+# with four (docs/benchmarks.md, Session 21; the same arithmetic per row).
+CONFIG = {"fwd": (64, 1, 4), "bwd": (64, 2, 4)}
 TILE_BYTES = 64 * 128 * 2  # a row block holds at most this many bytes: float32 at D=128 needs half the rows
 
 
@@ -224,9 +226,10 @@ def _transform_grad_kernel(Q, K, V, G, P, N, ROWS_PER, sq_n, sq_h, sk_n, sk_h, s
 
 
 # Programs the dA reduction aims for: each (head, tensor) pair's rows are split into chunks until about this many
-# programs run (two per SM of an H100). cuBLAS's batched matmul over the heads ran the (H, D, D) output as 8-16
+# programs run (four per SM of an H100). cuBLAS's batched matmul over the heads ran the (H, D, D) output as 8-16
 # tiles, each reducing all N rows: at 4 heads of 64 over 32k rows it read x and g at a quarter of the copy rate.
-DA_PROGRAMS = 264
+# H200 (Session 21): 528 against 264 took 0.049 vs 0.060 ms at 32768 x 4 x 64, 0.085 vs 0.093 at 8192 x 16 x 128.
+DA_PROGRAMS = 528
 
 
 def _transform_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
