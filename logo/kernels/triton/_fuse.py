@@ -91,7 +91,7 @@ def _context_fuse_bwd_kernel(GO, OL, OG, P, Z, WL, WG, DOL, DOG, DP, DWL, DWG, N
 CONFIG = {"fwd": (32, 4), "bwd": (32, 4)}
 
 
-def _launch(kind: str, x: torch.Tensor) -> tuple[int, int]:
+def _launch_config(kind: str, x: torch.Tensor) -> tuple[int, int]:
     if INTERPRET or x.device.type != "cuda":
         return 8, 4
     return CONFIG[kind]
@@ -108,7 +108,7 @@ def context_fuse_forward(o_local, o_global, p, z, w_local, w_global, eps: float,
     out = torch.empty((N, H, D), device=o_local.device, dtype=o_local.dtype)
     if N == 0:
         return out
-    BM, warps = _launch("fwd", o_local)
+    BM, warps = _launch_config("fwd", o_local)
     launch(_context_fuse_fwd_kernel, (triton.cdiv(N, BM), H), o_local, o_global, p, z.view(torch.uint8), w_local,
         w_global, out, N, eps, BM=BM, D=D, WEIGHTED=weighted, num_warps=warps)
     return out
@@ -121,7 +121,7 @@ def context_fuse_backward(grad, o_local, o_global, p, z, w_local, w_global, eps:
     if N == 0:
         zero = torch.zeros((H, D), device=o_local.device, dtype=torch.float32)
         return d_local, d_global, torch.zeros_like(p), zero, zero.clone()
-    BM, warps = _launch("bwd", o_local)
+    BM, warps = _launch_config("bwd", o_local)
     nb = triton.cdiv(N, BM)
     dp = torch.empty((H, N), device=p.device, dtype=torch.float32)  # per-head partial sums
     dw = torch.empty((2, nb, H, D), device=o_local.device, dtype=torch.float32)  # per-block partial sums

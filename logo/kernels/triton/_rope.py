@@ -163,14 +163,14 @@ def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, GVY, GV, A, COS, SIN, DQ, DK, D
 
 
 # (rows per block, blocks per program, warps) of each kernel on a GPU, for 2-byte inputs with D <= 128;
-# benchmarks/rope_transform.py sweeps them. Wider rows get fewer rows per block (see `_launch`). The backward's
+# benchmarks/rope_transform.py sweeps them. Wider rows get fewer rows per block (see `_launch_config`). The backward's
 # two blocks per program: H200 sweep at 32768 x 4 x 64 and 8192 x 16 x 128, 0.082 / 0.165 ms against 0.101 / 0.171
 # with four (docs/benchmarks.md, Session 21; the same arithmetic per row).
 CONFIG = {"fwd": (64, 1, 4), "bwd": (64, 2, 4)}
 TILE_BYTES = 64 * 128 * 2  # a row block holds at most this many bytes: float32 at D=128 needs half the rows
 
 
-def _launch(kind: str, x: torch.Tensor) -> tuple[int, int, int]:
+def _launch_config(kind: str, x: torch.Tensor) -> tuple[int, int, int]:
     """(BM, RB, warps) for rows like x's. The row-block loop is software-pipelined, so shared memory grows
     with the block's bytes: float32 blocks of 64 rows at D=128 need 232 KiB, over an H100's 227."""
     if INTERPRET or x.device.type != "cuda":
@@ -198,7 +198,7 @@ def rope_transform_forward(q, k, v, A, cos, sin):
     outs = [torch.empty((N, H, D), device=q.device, dtype=q.dtype) for _ in range(5)]
     if N == 0:
         return tuple(outs)
-    BM, RB, warps = _launch("fwd", q)
+    BM, RB, warps = _launch_config("fwd", q)
     launch(_rope_transform_fwd_kernel, (triton.cdiv(N, BM * RB), H, 3), q, k, v, A, cos, sin, *outs, N, cos.shape[0],
         *_strides(q, k, v), BM=BM, RB=RB, D=D, PREC=_prec(q.dtype), num_warps=warps)
     return tuple(outs)
@@ -256,7 +256,7 @@ def rope_transform_backward(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, gv=None
     if N == 0:
         return dq, dk, dv, torch.zeros((3, H, D, D), device=q.device, dtype=torch.float32)
     g = torch.empty((3, N, H, D), device=q.device, dtype=q.dtype)
-    BM, RB, warps = _launch("bwd", q)
+    BM, RB, warps = _launch_config("bwd", q)
     gv_ = gq if gv is None else gv
     launch(_rope_transform_bwd_kernel, (triton.cdiv(N, BM * RB), H, 3), gq, gk, gqy, gky, gvy, gv_, A, cos, sin, dq,
         dk, dv, g, N, cos.shape[0], BM=BM, RB=RB, D=D, PREC=_prec(q.dtype), HAS_GV=gv is not None, num_warps=warps)
