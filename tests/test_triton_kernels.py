@@ -228,6 +228,27 @@ def test_atomic_dq_backward_matches_reference(case, dtype, atomic_dq):
     check_all(*res, dtype, f"atomic dQ [{case}]")
 
 
+@pytest.mark.parametrize("case", ["window7", "window20", "causal", "random", "skip_a_seq"])
+def test_one_loop_equals_the_three_region_loops(case):
+    """`one_loop` (every key block of a program through the masked loop; the window's default) gives the same bits
+    as the masked head | unmasked middle | masked tail loops: a visible element is unchanged by the mask."""
+    lengths = LENGTHS["with_len1"]
+    (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[1], torch.float32, seed=17)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    fns = case_fns(case, lengths, cu, seed=4)
+    one = _grads_with({"one_loop": True}, fns, [q, k, v], g)
+    three = _grads_with({"one_loop": False}, fns, [q, k, v], g)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), one, three):
+        assert torch.equal(a, b), what
+
+
+def test_the_window_runs_one_loop_by_default():
+    for dev in ("cpu", "cuda"):
+        window = _attn._default_cfg(128, torch.bfloat16, "window", torch.device(dev))
+        glob = _attn._default_cfg(128, torch.bfloat16, "global", torch.device(dev))
+        assert window["one_loop"] and not glob["one_loop"]
+
+
 def _grads_with(override, fns, inputs, g):
     _attn.CONFIG_OVERRIDE.clear()
     _attn.CONFIG_OVERRIDE.update({("global",): override, ("window",): override})

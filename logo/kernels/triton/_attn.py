@@ -70,10 +70,13 @@ def _shared_memory(device: torch.device) -> int:
 
 
 def _cfg(D: int, dtype: torch.dtype, window: int, device: torch.device) -> dict:
-    """Launch parameters per kernel, (BM, BN, warps, stages), the dQ strategy, and `desc`: TMA tile loads (Hopper
+    """Launch parameters per kernel, (BM, BN, warps, stages), the dQ strategy, `desc`: TMA tile loads (Hopper
     on) of K/V in the forward and of q/dO in the dK/dV kernel (H100, D=128: forward 1.2x, backward 1.08x faster;
-    docs/benchmarks.md, Session 13). CONFIG_OVERRIDE wins. Read-only: the defaults are built once per
-    (D, dtype, kind, device) (every attention call asks, on a host that sets the pace of a 1.5B step's forward)."""
+    docs/benchmarks.md, Session 13), and `one_loop`: every key (query) block of a program through the masked loop
+    instead of the masked head | unmasked middle | masked tail split (the window's blocks see ~6 key blocks, so the
+    split made three loops too short to pipeline; Session 22). CONFIG_OVERRIDE wins. Read-only: the defaults are
+    built once per (D, dtype, kind, device) (every attention call asks, on a host that sets the pace of a 1.5B
+    step's forward)."""
     kind = "window" if window > 0 else "global"
     c = _default_cfg(D, dtype, kind, device)
     if CONFIG_OVERRIDE:
@@ -87,11 +90,12 @@ def _cfg(D: int, dtype: torch.dtype, window: int, device: torch.device) -> dict:
 def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) -> dict:
     window = kind == "window"
     if INTERPRET or device.type != "cuda":
-        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), dkdv=(16, 16, 4, 1), dq_mode="separate")
+        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), dkdv=(16, 16, 4, 1), dq_mode="separate", one_loop=window)
     elif dtype == torch.float32:
         c = dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq_mode="separate")
-    elif window:  # sliding window: small tiles waste the fewest masked keys (sweep on H100, w=128, D=128)
-        c = dict(fwd=(64, 32, 4, 3), dq=(64, 32, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
+    elif window:  # sliding window: small tiles waste the fewest masked keys (sweep on H100, w=128, D=128); one
+        # masked loop over each block's few key blocks instead of three short ones (H100: fwd + bwd 8-14% faster)
+        c = dict(fwd=(64, 32, 4, 3), dq=(64, 32, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate", one_loop=True)
     elif D <= 64:  # H100 sweeps at D=64, 32 x 1024 and 1 x 8192 tokens (docs/benchmarks.md)
         c = dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
     else:  # global / causal, D=128: best of the H100 sweep in docs/benchmarks.md
@@ -99,6 +103,7 @@ def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) ->
         if D == 128 and _shared_memory(device) >= 227 << 10:  # Hopper: 4-stage backward (~1.4% at 64k, Session 19)
             c.update(dq=(128, 64, 8, 4), dkdv=(64, 128, 8, 4))
     c["desc"] = dtype != torch.float32 and D >= 128 and not INTERPRET and _has_tma(device)
+    c.setdefault("one_loop", False)
     return c
 
 
@@ -183,8 +188,8 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int):
     launch(_fwd_kernel, (nb * H,), q, k, v, o, lse, cu_q if dense_q else rows, cu_q if dense_q else q_pos, cu_q, cu_k,
         n, nseq, steps, window, nb, H, head_group(H, k), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), o.stride(0), o.stride(1), scale * _LOG2E, kd, vd, WINDOWED=window > 0,
-        DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=_prec(q.dtype), DESC=kd is not None, num_warps=warps,
-        num_stages=stages)
+        ONE_LOOP=c["one_loop"], DENSE_Q=dense_q, BM=BM, BN=BN, D=D, PREC=_prec(q.dtype), DESC=kd is not None,
+        num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -237,8 +242,8 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
         launch(_dq_kernel, (nb * H,), q, k, v, o, do, dq, lse, delta, qc, doc, kidx, rows_, qpos_, cu_q, cu_k, n,
             nseq, nk, steps, window, nb, H, head_group(H, k), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0),
-            dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, DENSE_Q=dense_q, COMPACT=compact, BM=BM, BN=BN,
-            D=D, PREC=prec, num_warps=warps, num_stages=stages)
+            dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, ONE_LOOP=c["one_loop"], DENSE_Q=dense_q,
+            COMPACT=compact, BM=BM, BN=BN, D=D, PREC=prec, num_warps=warps, num_stages=stages)
     dk = _empty(*k.shape, like=k)
     dv = _empty(*v.shape, like=v)
     BM, BN, warps, stages = c["dkdv"]
@@ -251,8 +256,8 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     launch(_dkdv_kernel, (nbk * H,), q, k, v, do, dk, dv, dq, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk,
         nseq, steps, window, H, head_group(H, q), qd, dod, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        dq.stride(0), dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, DENSE_Q=dense_q, ATOMIC_DQ=atomic,
-        BM=BM, BN=BN, D=D, PREC=prec, DESC=qd is not None, num_warps=warps, num_stages=stages)
+        dq.stride(0), dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, ONE_LOOP=c["one_loop"], DENSE_Q=dense_q,
+        ATOMIC_DQ=atomic, BM=BM, BN=BN, D=D, PREC=prec, DESC=qd is not None, num_warps=warps, num_stages=stages)
     if atomic:
         dq = (dq * scale).to(q.dtype)
     return dq, dk, dv

@@ -181,10 +181,12 @@ def _fwd_inner(acc, l_i, m_i, q, first, last, k_head, v_head, sk_n, sv_n, start,
 @triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "window", "NB", "NH", "G"])
 def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G,
                 sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, qk_scale, KD, VD,
-                WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
+                WINDOWED: tl.constexpr, ONE_LOOP: tl.constexpr, DENSE_Q: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     h, slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(
         ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WINDOWED, DENSE_Q, BM, BN)
+    if ONE_LOOP:  # every key block through the masked loop (short windows: one pipelined loop, not three)
+        m_end, u0, u1 = hi, hi, hi
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -307,12 +309,14 @@ def _dq_inner(dq, q, do, first, last, lse, delta, k_head, v_head, sk_n, sv_n, st
 @triton.jit(do_not_specialize=["NQ", "NSEQ", "NK", "STEPS", "window", "NB", "NH", "G"])
 def _dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, QC, DOC, KIDX, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, NK, STEPS, window,
                NB, NH, G, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, sdo_n, sdo_h, sdq_n, sdq_h, qk_scale, scale,
-               WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+               WINDOWED: tl.constexpr, ONE_LOOP: tl.constexpr, DENSE_Q: tl.constexpr, COMPACT: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
     """dQ of the block's slots; its prologue also writes what the dK/dV kernel reads (`_delta_and_copies`), which
     the grid covers slot by slot and head by head (dead blocks included), so no separate delta pass is needed."""
     h, slots, rows, row_ok, first, last, lo, m_end, u0, u1, hi = _query_block(
         ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window, NB, NH, G, WINDOWED, DENSE_Q, BM, BN)
+    if ONE_LOOP:
+        m_end, u0, u1 = hi, hi, hi
     offs_d = tl.arange(0, D)
     rows64 = rows.to(tl.int64)
     q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -397,8 +401,8 @@ def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, 
 def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q, CU_K, NQ, NK, NBK, NSEQ, STEPS,
                  window, NH, G, QD, DOD, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdk_n, sdk_h, sdv_n, sdv_h,
                  sdqa_n, sdqa_h, qk_scale, scale,
-                 WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
+                 WINDOWED: tl.constexpr, ONE_LOOP: tl.constexpr, DENSE_Q: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     # 1-D grid of NBK * NH programs in groups of G heads (see _query_block): early key blocks are seen by the
     # most rows, so they go first
     h, pid = _program_head_rank(tl.program_id(0), NBK, NH, G)
@@ -426,6 +430,8 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q
     full_hi = tl.where(one_seq, full_hi, full_lo)  # a block spanning two sequences has no fully visible row
     u0 = tl.minimum(qa + ((tl.maximum(full_lo - qa, 0) + BM - 1) // BM) * BM, qz)
     u1 = u0 + (tl.maximum(full_hi - u0, 0) // BM) * BM
+    if ONE_LOOP:
+        u0, u1 = qz, qz
 
     offs_d = tl.arange(0, D)
     keys64 = keys.to(tl.int64)
