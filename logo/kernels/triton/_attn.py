@@ -16,8 +16,11 @@ by a binary search over cu_seqlens inside the kernel (no block maps built on the
 block may straddle sequences. The smallest/largest `first` and `last` of the block split its key range into
   masked head | unmasked middle (every row sees every key: no predicate) | masked diagonal,
 so only blocks that can hold a masked element pay for the mask, and keys after the block's largest `last`
-are never touched (paper App. B). The dK/dV kernel runs one program per (KV block, head) and walks the query
-slots that can see the block: masked head blocks, then unmasked blocks, then the masked tail. For sparse
+are never touched (paper App. B). The sliding window runs every block through the masked loop instead
+(`one_loop`): its blocks see about six key blocks each, and three loops of two never reach a pipelined steady
+state (Session 22: fwd + bwd 8-14% faster on an H100, the same bits). The dK/dV kernel runs one program per
+(KV block, head) and walks the query slots that can see the block: masked head blocks, then unmasked blocks, then
+the masked tail (for the window, all through the masked loop). For sparse
 queries the first slot at/after the block's first and last key come from a binary search (`_split_kernel`) over
 the slots' key rows, which the backward's first pass writes (dead slots sort last; two launches where the torch
 ops of `key_rows_and_split`, now the reference, were ~14); for dense queries they are arithmetic.
