@@ -242,11 +242,13 @@ def test_one_loop_equals_the_three_region_loops(case):
         assert torch.equal(a, b), what
 
 
-def test_the_window_runs_one_loop_by_default():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_window_runs_one_loop_by_default(dtype):
     for dev in ("cpu", "cuda"):
-        window = _attn._default_cfg(128, torch.bfloat16, "window", torch.device(dev))
-        glob = _attn._default_cfg(128, torch.bfloat16, "global", torch.device(dev))
-        assert window["one_loop"] and not glob["one_loop"]
+        for D in (64, 128):
+            window = _attn._default_cfg(D, dtype, "window", torch.device(dev))
+            glob = _attn._default_cfg(D, dtype, "global", torch.device(dev))
+            assert window["one_loop"] and not glob["one_loop"], (dev, D)
 
 
 def _grads_with(override, fns, inputs, g):
