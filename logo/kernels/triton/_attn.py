@@ -20,10 +20,10 @@ are never touched (paper App. B). The sliding window runs every block through th
 (`one_loop`): its blocks see about six key blocks each, and three loops of two never reach a pipelined steady
 state (Session 22: fwd + bwd 8-14% faster on an H100, the same bits). The dK/dV kernel runs one program per
 (KV block, head) and walks the query slots that can see the block: masked head blocks, then unmasked blocks, then
-the masked tail (for the window, all through the masked loop). For sparse
-queries the first slot at/after the block's first and last key come from a binary search (`_split_kernel`) over
-the slots' key rows, which the backward's first pass writes (dead slots sort last; two launches where the torch
-ops of `key_rows_and_split`, now the reference, were ~14); for dense queries they are arithmetic.
+the masked tail (for the window, all through the masked loop). For sparse queries the first slot at/after the
+block's first and last key come from a binary search (`_split_kernel`) over the slots' key rows, which the
+backward's first pass writes (dead slots sort last; two launches where the torch ops of `key_rows_and_split`, now
+the reference, were ~14); for dense queries they are arithmetic.
 The grids are 1-D and ordered by work over a group of heads at once (the query blocks that see the most keys,
 the key blocks that the most queries see, first, for every head of the group): with one head after another,
 the last head's longest blocks ran alone at the end of the kernel (at 8k tokens and 16 heads a block can be
@@ -93,12 +93,11 @@ def _cfg(D: int, dtype: torch.dtype, window: int, device: torch.device) -> dict:
 def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) -> dict:
     window = kind == "window"
     if INTERPRET or device.type != "cuda":
-        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), dkdv=(16, 16, 4, 1), dq_mode="separate", one_loop=window)
+        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), dkdv=(16, 16, 4, 1), dq_mode="separate")
     elif dtype == torch.float32:
-        c = dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq_mode="separate", one_loop=window)
-    elif window:  # sliding window: small tiles waste the fewest masked keys (sweep on H100, w=128, D=128); one
-        # masked loop over each block's few key blocks instead of three short ones (H100: fwd + bwd 8-14% faster)
-        c = dict(fwd=(64, 32, 4, 3), dq=(64, 32, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate", one_loop=True)
+        c = dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq_mode="separate")
+    elif window:  # sliding window: small tiles waste the fewest masked keys (sweep on H100, w=128, D=128)
+        c = dict(fwd=(64, 32, 4, 3), dq=(64, 32, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
     elif D <= 64:  # H100 sweeps at D=64, 32 x 1024 and 1 x 8192 tokens (docs/benchmarks.md)
         c = dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
     else:  # global / causal, D=128: best of the H100 sweep in docs/benchmarks.md
@@ -106,7 +105,8 @@ def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) ->
         if D == 128 and _shared_memory(device) >= 227 << 10:  # Hopper: 4-stage backward (~1.4% at 64k, Session 19)
             c.update(dq=(128, 64, 8, 4), dkdv=(64, 128, 8, 4))
     c["desc"] = dtype != torch.float32 and D >= 128 and not INTERPRET and _has_tma(device)
-    c.setdefault("one_loop", False)
+    # the window's few key blocks per program through one masked loop, not three short ones (H100: 8-14% faster)
+    c["one_loop"] = window
     return c
 
 
