@@ -180,3 +180,21 @@ def test_cuda_graph_blocks_refuse_a_mesh():
     model = Transformer(model_config("tiny", attention=AttentionConfig(kind="logo")))
     with pytest.raises(ValueError, match="compile_mode=reduce-overhead"):
         parallelize(model, object(), torch.float32, compile_blocks=True, compile_mode="reduce-overhead")
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_blocks_compile_with_the_mode_and_the_block_options(monkeypatch, mode):
+    """Each block is compiled with its mode's Inductor options (reduce-overhead: CUDA graphs) plus
+    BLOCK_INDUCTOR_OPTIONS (realize_reads_threshold: the LoGo gate's six-buffer gradient sum is recomputed by the
+    attention norm's two backward reductions instead of stored in fp32), as options (torch.compile takes a mode or
+    options, not both)."""
+    from logo.config import model_config
+    from logo.parallel import fsdp
+    from logo.parallelize import parallelize
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **kw: seen.append((a, kw)))
+    model = Transformer(model_config("tiny", attention=AttentionConfig(kind="logo")))
+    parallelize(model, None, torch.float32, compile_blocks=True, compile_mode=mode)
+    want = {**({"triton.cudagraphs": True} if mode == "reduce-overhead" else {}), "realize_reads_threshold": 8}
+    assert fsdp.BLOCK_INDUCTOR_OPTIONS == {"realize_reads_threshold": 8}
+    assert seen == [((), {"options": want})] * len(model.layers)

@@ -68,6 +68,23 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
             unit.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + backward_prefetch])
 
 
+# Inductor options of the compiled blocks, on top of those of train.compile_mode. realize_reads_threshold: Inductor
+# stores a pointwise result that several kernels read once it reads more than this many buffers (default 4), and
+# recomputes it in each reader otherwise. The LoGo layer's gate adds its rank-1 gradient (dlogit w_g^T) to the sum of
+# the three projections' input gradients: six buffers, so that sum was written in float32 for the two reductions of
+# the attention norm's backward (the input's and the weight's gradient), one more pass over (tokens, dim) per layer
+# (1.5B/8k on an H100: ~2.7 ms of a 214 ms compiled step). At 8 both reductions recompute it from the bf16 gradients,
+# as they recompute full attention's three-buffer sum (whose step is unchanged). docs/benchmarks.md, Session 23.
+BLOCK_INDUCTOR_OPTIONS = {"realize_reads_threshold": 8}
+
+
+def block_compile_options(compile_mode: str) -> dict:
+    """torch.compile options of each block: the mode's own (`torch._inductor.list_mode_options`; reduce-overhead:
+    CUDA graphs) plus `BLOCK_INDUCTOR_OPTIONS` (torch.compile takes a mode or options, not both)."""
+    from torch._inductor import list_mode_options
+    return {**list_mode_options(compile_mode), **BLOCK_INDUCTOR_OPTIONS}
+
+
 def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
                 fsdp: Optional[dict] = None, tp_mesh: Optional[DeviceMesh] = None,
@@ -87,8 +104,9 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
     if compile_blocks:
         # Each block compiled in place (parameter names unchanged, so checkpoints do not depend on it), whole:
         # the attention ops are custom ops and LoGo's routing has static shapes (no graph breaks).
+        options = block_compile_options(compile_mode)
         for block in model.layers.values():
-            block.compile(mode=None if compile_mode == "default" else compile_mode)
+            block.compile(options=options)
     if activation_checkpointing:
         from torchtitan.config.job_config import ActivationCheckpoint
         from torchtitan.distributed.activation_checkpoint import apply_ac
