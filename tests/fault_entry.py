@@ -3,6 +3,8 @@
     LOGO_FAULT=slow_write:STEP:SECONDS   DCP's FileSystemWriter sleeps before writing step STEP (a slow disk)
     LOGO_FAULT=enospc:STEP               writing step STEP writes part of a shard, then fails with ENOSPC
     LOGO_FAULT=slow_rename:STEP:SECONDS  sleeps after step STEP is written, just before its rename
+    LOGO_FAULT_RELEASE=PATH              the slow faults' sleep ends early once PATH exists (a test that has seen
+                                         what it waits for lets the write go on instead of waiting it out)
 
 Everything else is the real train.py (run with runpy, so Hydra sees the same command line).
 """
@@ -15,6 +17,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's packages, before any installed copy
+
+
+def _stall(seconds: float) -> None:
+    """Sleep `seconds`, or until the file LOGO_FAULT_RELEASE names exists."""
+    release = os.environ.get("LOGO_FAULT_RELEASE")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (release and Path(release).exists()):
+        time.sleep(0.05)
 
 
 def _install(fault: str) -> None:
@@ -30,7 +40,7 @@ def _install(fault: str) -> None:
     if kind == "slow_write":
         def slow(self, plan, planner):
             if hits(self.path):
-                time.sleep(float(rest[0]))
+                _stall(float(rest[0]))
             return write_data(self, plan, planner)
         FileSystemWriter.write_data = slow
     elif kind == "enospc":
@@ -46,7 +56,7 @@ def _install(fault: str) -> None:
         def slow_fsync(path):
             fsync_dir(path)
             if hits(path) and str(path).endswith(".tmp"):
-                time.sleep(float(rest[0]))
+                _stall(float(rest[0]))
         ck.fsync_dir = slow_fsync
     else:
         raise SystemExit(f"unknown LOGO_FAULT {fault!r}")

@@ -57,10 +57,11 @@ def test_async_run_and_resume_equal_sync(sync_reference, tmp_path, mode):
     same_rows(read_metrics(sync_reference), read_metrics(resumed), range(3, N + 1))
 
 
-def _start(run_dir, fault: str, *extra):
+def _start(run_dir, fault: str, *extra, release=None):
+    """train.py with LOGO_FAULT=fault; `release`: a path whose creation ends the fault's sleep (fault_entry.py)."""
+    env = {"LOGO_FAULT": fault, **({"LOGO_FAULT_RELEASE": str(release)} if release else {})}
     return subprocess.Popen(train_cmd(*ARGS, *extra, f"run.dir={run_dir}", fault=True), cwd=ROOT,
-                            env=train_env(env={"LOGO_FAULT": fault}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            env=train_env(env=env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, tmp_path):
@@ -83,11 +84,20 @@ def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, t
 
 
 def test_sigterm_during_background_write_finishes_it_then_saves(tmp_path, default_corpus):
+    """The write of step 2 is slow; SIGTERM arrives while it is in flight. The process waits for it (still alive
+    and the write unfinished seconds later), and once the write goes on it completes it and saves again."""
     d = tmp_path / "run"
-    proc = _start(d, "slow_write:2:60", "checkpoint.async_mode=async_pinned", "checkpoint.interval=2")
-    wait_for_train(lambda: logged(d, 3), proc)
-    assert (d / "checkpoints" / "step_00000002.tmp").exists()  # the write of step 2 is still in flight
-    proc.send_signal(signal.SIGTERM)
+    release = tmp_path / "release"
+    proc = _start(d, "slow_write:2:300", "checkpoint.async_mode=async_pinned", "checkpoint.interval=2",
+                  release=release)
+    try:
+        wait_for_train(lambda: logged(d, 3), proc)
+        assert (d / "checkpoints" / "step_00000002.tmp").exists()  # the write of step 2 is still in flight
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(3)  # several steps' time: the signal is seen at the next step boundary
+        assert proc.poll() is None and (d / "checkpoints" / "step_00000002.tmp").exists()  # waiting for the write
+    finally:
+        release.touch()
     out, err = proc.communicate(timeout=T)
     assert proc.returncode == 0, err[-3000:]
     assert "SIGTERM" in err + out and "Traceback" not in err

@@ -19,8 +19,10 @@ def names(d) -> list:
     return sorted(p.name for p in (Path(d) / "checkpoints").iterdir())
 
 
-def start(run_dir, fault: str = "", *extra):
-    env = train_env(env={"LOGO_FAULT": fault} if fault else {})
+def start(run_dir, fault: str = "", *extra, release=None):
+    """train.py through fault_entry.py; `release`: a path whose creation ends the fault's sleep."""
+    env = train_env(env={**({"LOGO_FAULT": fault} if fault else {}),
+                         **({"LOGO_FAULT_RELEASE": str(release)} if release else {})})
     return subprocess.Popen(train_cmd(*ARGS, *extra, f"run.dir={run_dir}", fault=True), cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -67,11 +69,16 @@ def test_sigkill(sync_reference, tmp_path, point):
 
 def test_second_launch_into_the_same_run_dir_fails_naming_the_holder(sync_reference, tmp_path):
     d = tmp_path / "run"
-    first = start(d, "slow_write:2:30")  # stays alive for a while
-    wait_for_train(lambda: (d / ".lock").exists() and (d / ".lock").read_text().strip(), first)
-    second = run_train(*ARGS, f"run.dir={d}", check=False, timeout=T)
-    line = one_line_error(second)
-    assert f"pid {first.pid} on host" in line and str(d) in line
+    release = tmp_path / "release"
+    first = start(d, "slow_write:2:300", release=release)  # stays alive until released
+    try:
+        wait_for_train(lambda: (d / ".lock").exists() and (d / ".lock").read_text().strip(), first)
+        second = run_train(*ARGS, f"run.dir={d}", check=False, timeout=T)
+        line = one_line_error(second)
+        assert f"pid {first.pid} on host" in line and str(d) in line
+        assert first.poll() is None  # the second launch ended while the first still held the directory
+    finally:
+        release.touch()
     out, err = first.communicate(timeout=T)
     assert first.returncode == 0, err[-3000:]
     rows = read_metrics(d)
