@@ -50,6 +50,14 @@ def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True
     return p
 
 
+def start_fault_train(*overrides, fault: str = "", release=None) -> subprocess.Popen:
+    """train.py through tests/fault_entry.py in the background (stdout/stderr piped as text): LOGO_FAULT=fault
+    when given; `release`: a path whose creation ends the fault's sleep (LOGO_FAULT_RELEASE)."""
+    env = {**({"LOGO_FAULT": fault} if fault else {}), **({"LOGO_FAULT_RELEASE": str(release)} if release else {})}
+    return subprocess.Popen(train_cmd(*overrides, fault=True), cwd=ROOT, env=train_env(env=env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def read_metrics(run_dir) -> list:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

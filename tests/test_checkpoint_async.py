@@ -2,15 +2,14 @@
 a kill or SIGTERM while a background write is in flight; time-based saves agreed across ranks; milestones."""
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, logged, read_metrics, run_train,
-                      same_rows, train_cmd, train_env, wait_for_train)
+from conftest import (CKPT_ARGS, CKPT_STEPS, SLOW_BOX_TIMEOUT, TINY_RUN, logged, read_metrics, run_train,
+                      same_rows, start_fault_train, wait_for_train)
 
 N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
 
@@ -58,10 +57,7 @@ def test_async_run_and_resume_equal_sync(sync_reference, tmp_path, mode):
 
 
 def _start(run_dir, fault: str, *extra, release=None):
-    """train.py with LOGO_FAULT=fault; `release`: a path whose creation ends the fault's sleep (fault_entry.py)."""
-    env = {"LOGO_FAULT": fault, **({"LOGO_FAULT_RELEASE": str(release)} if release else {})}
-    return subprocess.Popen(train_cmd(*ARGS, *extra, f"run.dir={run_dir}", fault=True), cwd=ROOT,
-                            env=train_env(env=env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_fault_train(*ARGS, *extra, f"run.dir={run_dir}", fault=fault, release=release)
 
 
 def test_sigkill_during_background_write_keeps_previous_latest(sync_reference, tmp_path):

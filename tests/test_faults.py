@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, logged, read_metrics, run_train, same_rows,
-                      train_cmd, train_env, wait_for_train)
+from conftest import (CKPT_ARGS, CKPT_STEPS, SLOW_BOX_TIMEOUT, logged, read_metrics, run_train, same_rows,
+                      start_fault_train, wait_for_train)
 
 N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
 
@@ -20,11 +20,7 @@ def names(d) -> list:
 
 
 def start(run_dir, fault: str = "", *extra, release=None):
-    """train.py through fault_entry.py; `release`: a path whose creation ends the fault's sleep."""
-    env = train_env(env={**({"LOGO_FAULT": fault} if fault else {}),
-                         **({"LOGO_FAULT_RELEASE": str(release)} if release else {})})
-    return subprocess.Popen(train_cmd(*ARGS, *extra, f"run.dir={run_dir}", fault=True), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_fault_train(*ARGS, *extra, f"run.dir={run_dir}", fault=fault, release=release)
 
 
 def one_line_error(p) -> str:
