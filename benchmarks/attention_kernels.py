@@ -9,9 +9,12 @@ Shape of the paper's kernel benchmark: B=1, H=8, D=128, bf16, causal. Times are 
 spread between repeats is visible. FLOP accounting as FlashAttention: causal fwd = 2*H*T^2*D, fwd+bwd = 3.5x
 fwd; query-sparse rows count only the selected rows' causal work, sliding window only min(t+1, w) keys.
 
-Rows: dense cuDNN / FlashAttention-2 SDPA, dense FLA `parallel_attn` (when fla-core is importable), flex
-attention with compacted queries (block mask cached), flex and FLA sliding window; ours: query-sparse at
-rho = 0.25/0.5/0.75/1.0 (random selection), sliding window, dense causal, the routing + partition alone,
+Rows: dense cuDNN / FlashAttention-2 SDPA, dense FlashAttention-4 (when flash-attn-4 is importable), dense FLA
+`parallel_attn` (when fla-core is importable), flex attention with compacted queries (block mask cached), flex and
+FLA sliding window, cuDNN frontend's `flex_attention` on the query-sparse problem (`--only cudnn_flex`, when
+nvidia-cudnn-frontend is importable: its mask plan cached, and rebuilt every call as a changing routing needs);
+ours, for each implementation of `--impls` (`logo.kernels.ops.IMPLS`: triton, flash): query-sparse at
+rho = 0.25/0.5/0.75/1.0 (random selection), sliding window, dense causal; the routing + partition alone,
 and the whole LoGo attention of one layer (gate, routing, partition, branch transforms, RoPE, local and
 global branches, ContextNorm and fusion) next to RoPE + dense cuDNN attention.
 """
@@ -109,12 +112,12 @@ def static_selection(T, rho, seed=0, docs=1):
     return sel.rows, seqs.pos, sel.cu_seqlens_q
 
 
-def qsparse_op(rows, pos, cu_q, cu):
-    return lambda a, b, c: ops.query_sparse_attention(a, b, c, pos, rows, cu_q, cu, use_triton=True)
+def qsparse_op(rows, pos, cu_q, cu, impl="triton"):
+    return lambda a, b, c: ops.query_sparse_attention(a, b, c, pos, rows, cu_q, cu, impl=impl)
 
 
-def window_op(cu, window):
-    return lambda a, b, c: ops.sliding_window_attention(a, b, c, cu, window, use_triton=True)
+def window_op(cu, window, impl="triton"):
+    return lambda a, b, c: ops.sliding_window_attention(a, b, c, cu, window, impl=impl)
 
 
 def ceilings():
@@ -153,6 +156,14 @@ def baselines(T, only):
         print(f"fla not importable ({type(e).__name__}: {e}); FLA rows skipped", flush=True)
         parallel_attn = None
     qt, kt, vt = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001
+        print(f"flash-attn-4 not importable ({type(e).__name__}: {e}); FA4 rows skipped", flush=True)
+        flash_attn_func = None
+    if flash_attn_func is not None:
+        record("dense FA4 causal", T, fwd_bwd(lambda a, b, c: flash_attn_func(a, b, c, causal=True)[0], qt, kt, vt),
+               flops_causal(T), rho=1.0)
     if parallel_attn is not None:
         record("dense fla parallel_attn", T, fwd_bwd(lambda a, b, c: parallel_attn(a, b, c), qt, kt, vt),
                flops_causal(T), rho=1.0)
@@ -174,19 +185,45 @@ def baselines(T, only):
     del q, k, v, qt, kt, vt
 
 
-def ours(T, rhos, window):
+def ours(T, rhos, window, impl="triton"):
+    """The op pair of one implementation (`logo.kernels.ops.IMPLS`) through the custom ops, as the model calls it."""
     q, k, v = packed_qkv(T)
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     tensor_bytes = B * T * H * D * 2
     for rho in rhos:  # static shapes: q, o, dq over all T rows, the kernels read the selected rows
         rows, pos, cu_q = static_selection(T, rho)
-        record(f"qsparse ours rho={rho}", T, fwd_bwd(qsparse_op(rows, pos, cu_q, cu), q, k, v),
-               flops_rows(selection(T, rho)), rho=rho)
-    record(f"local ours w{window}", T, fwd_bwd(window_op(cu, window), q, k, v), flops_window(T, window),
-           bytes_=12 * tensor_bytes)
-    record("dense causal ours", T, fwd_bwd(lambda a, b, c: ops.causal_attention(a, b, c, cu, use_triton=True), q, k, v),
-           flops_causal(T), rho=1.0)
+        record(f"qsparse {impl} rho={rho}", T, fwd_bwd(qsparse_op(rows, pos, cu_q, cu, impl), q, k, v),
+               flops_rows(selection(T, rho)), rho=rho, extra=dict(impl=impl))
+    record(f"local {impl} w{window}", T, fwd_bwd(window_op(cu, window, impl), q, k, v), flops_window(T, window),
+           bytes_=12 * tensor_bytes, extra=dict(impl=impl))
+    record(f"dense causal {impl}", T, fwd_bwd(lambda a, b, c: ops.causal_attention(a, b, c, cu, impl=impl), q, k, v),
+           flops_causal(T), rho=1.0, extra=dict(impl=impl))
     del q, k, v
+
+
+def cudnn_flex(T, rhos):
+    """cuDNN frontend's flex_attention on the query-sparse problem: the selected queries compacted (n, H, D) over
+    every key, each query's keys [0, its position] as an interval mask; its mask plan built once (cached) and, as
+    a routing that changes every step needs, rebuilt in every call (the plan's build reads sizes on the host)."""
+    try:
+        from cudnn.flex_attention import create_mask_plan, flex_attn_func
+    except Exception as e:  # noqa: BLE001
+        print(f"cudnn.flex_attention not importable ({type(e).__name__}: {e}); its rows skipped", flush=True)
+        return
+    k, v = [torch.randn(1, T, H, D, device="cuda", dtype=DT, requires_grad=True) for _ in range(2)]
+    for rho in rhos:
+        pos = selection(T, rho).to(torch.int32)
+        qc = torch.randn(1, pos.numel(), H, D, device="cuda", dtype=DT, requires_grad=True)
+        limits = (pos + 1).view(1, 1, -1).contiguous()  # visible keys [0, pos + 1)
+
+        def plan():
+            return create_mask_plan(limits, qc, k, v, build_backward=True)
+        cached = plan()
+        record(f"qsparse cudnn.flex rho={rho} (plan cached)", T,
+               fwd_bwd(lambda a, b, c: flex_attn_func(a, b, c, mask_plan=cached), qc, k, v), flops_rows(pos), rho=rho)
+        record(f"qsparse cudnn.flex rho={rho} (plan per call)", T,
+               fwd_bwd(lambda a, b, c: flex_attn_func(a, b, c, mask_plan=plan()), qc, k, v), flops_rows(pos), rho=rho)
+    del k, v
 
 
 def routing_cost(T):
@@ -334,7 +371,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=D, help="head dim (64: model_step's small shape)")
     ap.add_argument("--docs", type=int, default=1, help="--sweep: equal sequences in the T tokens")
     ap.add_argument("--only", default="ceilings,baselines,flex,ours,routing,layer",
-                    help="comma list of: ceilings, baselines, flex, ours, routing, layer")
+                    help="comma list of: ceilings, baselines, flex, cudnn_flex, ours, routing, layer")
+    ap.add_argument("--impls", default="triton,flash", help="implementations of our ops to time (ours)")
     ap.add_argument("--sweep", type=int, default=0, help="sequence length for a block-size sweep (0: none)")
     ap.add_argument("--layer-lens", default="8192,32768")
     ap.add_argument("--sweep-filter", default="", help="comma list of substrings of sweep rows to run (e.g. 'global dkdv')")
@@ -357,8 +395,11 @@ def main():
     for T in [int(x) for x in a.lens.split(",") if x]:
         if "baselines" in only:
             baselines(T, only)
+        if "cudnn_flex" in only:
+            cudnn_flex(T, [float(r) for r in a.rhos.split(",") if float(r) < 1.0])
         if "ours" in only:
-            ours(T, [float(r) for r in a.rhos.split(",")], a.window)
+            for impl in a.impls.split(","):
+                ours(T, [float(r) for r in a.rhos.split(",")], a.window, impl)
         if "routing" in only:
             routing_cost(T)
     if "layer" in only:

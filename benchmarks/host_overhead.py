@@ -1,10 +1,12 @@
 """Host time per call of LoGo's custom ops (GPU): the Python a compiled or eager step spends per layer before the
 kernels reach the GPU. A step whose kernels are short waits for this time (docs/benchmarks.md, Session 16).
 
-    python benchmarks/host_overhead.py [--rows 1024] [--heads 16] [--dim 128] [--profile] [--ops NAME] [--out F]
+    python benchmarks/host_overhead.py [--rows 1024] [--heads 16] [--dim 128] [--impl triton|flash] [--profile]
+                                       [--ops NAME] [--out F]
 
 Per op: the median host time of one call (perf_counter around the call, the GPU drained between batches so its
-queue never fills), through the custom op and through the Triton host function it wraps; --profile adds cProfile's
+queue never fills), through the custom op and through the host function it wraps (--impl: the attention ops'
+implementation, `logo.kernels.ops.IMPLS`; RoPE and ContextNorm are Triton either way); --profile adds cProfile's
 top functions by own time for each op (where the host time goes: our Python, Triton's launcher, allocations).
 The rows are few so the GPU finishes every call quickly; the host time does not depend on the row count.
 """
@@ -53,11 +55,12 @@ def top_functions(fn, calls: int = 100, top: int = 30) -> str:
     return s.getvalue()
 
 
-def cases(n: int, H: int, D: int) -> dict:
-    """name -> (custom op, the Triton host function it wraps, their shared arguments) at the 1.5B layer's layout;
-    the op takes one argument more, use_triton (True)."""
+def cases(n: int, H: int, D: int, impl: str) -> dict:
+    """name -> (custom op, the host function it wraps, their shared arguments, the op's last argument) at the 1.5B
+    layer's layout: the attention ops take the implementation's name, RoPE and ContextNorm use_triton."""
     from logo.kernels import branches, ops
-    from logo.kernels.triton import _attn, _fuse, _rope
+    from logo.kernels.triton import _fuse, _rope
+    _attn = ops._impl(impl)
 
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -79,25 +82,26 @@ def cases(n: int, H: int, D: int) -> dict:
     w = torch.ones(H, D, device=dev)
     ys = _rope.rope_transform_forward(q, k, v, A, cos, sin)
     both = (q, k, v, A, cos, sin, pos, rows, cu_q, cu, scale, 128)  # logo_branches_fwd's, before keep_rotated
-    outs = branches.branches_forward(*both, True)
+    outs = branches.branches_forward(*both, impl)
     return {
-        "attention fwd, query-sparse": (ops.range_attention_fwd, _attn.attn_forward, (q, k, v, *sparse)),
+        "attention fwd, query-sparse": (ops.range_attention_fwd, _attn.attn_forward, (q, k, v, *sparse), impl),
         "attention bwd, query-sparse": (ops.range_attention_bwd, _attn.attn_backward,
-                                        (do, q, k, v, *_attn.attn_forward(q, k, v, *sparse), *sparse)),
-        "attention fwd, window": (ops.range_attention_fwd, _attn.attn_forward, (q, k, v, *window)),
+                                        (do, q, k, v, *_attn.attn_forward(q, k, v, *sparse), *sparse), impl),
+        "attention fwd, window": (ops.range_attention_fwd, _attn.attn_forward, (q, k, v, *window), impl),
         "attention bwd, window": (ops.range_attention_bwd, _attn.attn_backward,
-                                  (do, q, k, v, *_attn.attn_forward(q, k, v, *window), *window)),
-        "rope_transform fwd": (ops.rope_transform_fwd, _rope.rope_transform_forward, (q, k, v, A, cos, sin)),
-        "rope_transform bwd": (ops.rope_transform_bwd, _rope.rope_transform_backward, (*ys, q, k, v, A, cos, sin)),
+                                  (do, q, k, v, *_attn.attn_forward(q, k, v, *window), *window), impl),
+        "rope_transform fwd": (ops.rope_transform_fwd, _rope.rope_transform_forward, (q, k, v, A, cos, sin), True),
+        "rope_transform bwd": (ops.rope_transform_bwd, _rope.rope_transform_backward, (*ys, q, k, v, A, cos, sin),
+                               True),
         # the pair replacing rope_transform and both attention ops (3 op calls forward, 4 backward); the host
         # function is the op's body, so it is the body's own figure that adds up the three or four above
-        "logo_branches fwd": (branches.logo_branches_fwd, lambda *a: branches.branches_forward(*a[:-1], True),
-                              (*both, False)),
-        "logo_branches bwd (recompute)": (branches.logo_branches_bwd, lambda *a: branches.branches_backward(*a, True),
-                                          (do, do, q, k, v, A, cos, sin, *outs[:4], [], *both[6:])),
-        "context_fuse fwd": (ops.context_fuse_fwd, _fuse.context_fuse_forward, (ol, og, p, z, w, w, 1e-6, True)),
+        "logo_branches fwd": (branches.logo_branches_fwd, lambda *a: branches.branches_forward(*a[:-1], impl),
+                              (*both, False), impl),
+        "logo_branches bwd (recompute)": (branches.logo_branches_bwd, lambda *a: branches.branches_backward(*a, impl),
+                                          (do, do, q, k, v, A, cos, sin, *outs[:4], [], *both[6:]), impl),
+        "context_fuse fwd": (ops.context_fuse_fwd, _fuse.context_fuse_forward, (ol, og, p, z, w, w, 1e-6, True), True),
         "context_fuse bwd": (ops.context_fuse_bwd, _fuse.context_fuse_backward,
-                             (do, ol, og, p, z, w, w, 1e-6, True)),
+                             (do, ol, og, p, z, w, w, 1e-6, True), True),
     }
 
 
@@ -106,16 +110,17 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--impl", default="triton", choices=["triton", "flash"], help="the attention ops' implementation")
     ap.add_argument("--profile", action="store_true", help="cProfile's top functions per op")
     ap.add_argument("--ops", default="", help="only the ops whose name contains this text")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     results = []
-    for name, (op, host_fn, op_args) in cases(args.rows, args.heads, args.dim).items():
+    for name, (op, host_fn, op_args, last) in cases(args.rows, args.heads, args.dim, args.impl).items():
         if args.ops not in name:
             continue
         def op_call():
-            return op(*op_args, True)
+            return op(*op_args, last)
 
         def host_call():
             return host_fn(*op_args)
@@ -128,7 +133,8 @@ def main(argv=None) -> None:
             row["profile"] = top_functions(op_call)
             print(row["profile"], flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=results), indent=1))
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), impl=args.impl, rows=results),
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -285,15 +285,16 @@ def worker(args) -> None:
     Path(args.result).write_text(json.dumps(res))
 
 
-def run_one(shape: str, kind: str, compile_: str, ac: str, args) -> dict:
-    """One (shape, kind) in a fresh subprocess; a run that dies without a result is a crash."""
+def run_one(shape: str, kind: str, compile_: str, ac: str, args, backend: str = "auto") -> dict:
+    """One (shape, kind) in a fresh subprocess with attention.backend=backend; a run that dies without a result is
+    a crash."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--shape", shape, "--kind", kind,
                "--compile", compile_, "--ac", ac, "--loss", args.loss, "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--profile", str(args.profile), "--result", str(result),
                *(["--host-timing"] if args.host_timing else []),
-               *(f"--set={o}" for o in args.set)]
+               *(f"--set={o}" for o in args.set), f"--set=attention.backend={backend}"]
         try:
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -312,19 +313,20 @@ def summarize(rows: list[dict]) -> list[dict]:
     in time, so the ratio cancels what drifts between rounds)."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["kind"], r["compile"]), []).append(r)
-    full_ms = {(r["compile"], r.get("repeat", 0)): r["ms_per_step"] for r in rows
+        groups.setdefault((r["kind"], r["compile"], r.get("backend", "auto")), []).append(r)
+    full_ms = {(r["compile"], r.get("backend", "auto"), r.get("repeat", 0)): r["ms_per_step"] for r in rows
                if r["kind"] == "full" and r["status"] == "ok"}
     out = []
-    for (kind, comp), runs in groups.items():
+    for (kind, comp, backend), runs in groups.items():
         ok = [r for r in runs if r["status"] == "ok"]
-        entry = {"kind": kind, "compile": comp, "runs": runs, "ok": ok, "median_run": None, "vs_full": None}
+        entry = {"kind": kind, "compile": comp, "backend": backend, "runs": runs, "ok": ok, "median_run": None,
+                 "vs_full": None}
         if ok:
             mid = statistics.median(r["ms_per_step"] for r in ok)
             entry["median_run"] = min(ok, key=lambda r: abs(r["ms_per_step"] - mid))
             entry["ms_median"] = mid
-            ratios = [r["ms_per_step"] / full_ms[(comp, r.get("repeat", 0))] for r in ok
-                      if (comp, r.get("repeat", 0)) in full_ms]
+            ratios = [r["ms_per_step"] / full_ms[(comp, backend, r.get("repeat", 0))] for r in ok
+                      if (comp, backend, r.get("repeat", 0)) in full_ms]
             entry["vs_full"] = statistics.median(ratios) if ratios else None
         out.append(entry)
     return out
@@ -332,15 +334,15 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict], shape: str) -> str:
     """Markdown table of one shape's runs; the last column is the step time relative to full attention with the
-    same compile setting. With --repeats, ms/step is the median over the repeats (range and count beside it),
-    the other columns are the median run's, and "vs full" is the median of the per-repeat ratios."""
-    lines = [f"### {shape}", "", "| kind | compile | ms/step | tokens/s | MFU | peak GiB | ratio | vs full |",
-             "|---|---|---|---|---|---|---|---|"]
+    same compile setting and attention backend. With --repeats, ms/step is the median over the repeats (range and
+    count beside it), the other columns are the median run's, and "vs full" is the median of the per-repeat ratios."""
+    lines = [f"### {shape}", "", "| kind | compile | backend | ms/step | tokens/s | MFU | peak GiB | ratio | vs full |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e in summarize(rows):
         if not e["ok"]:
             r = e["runs"][0]
-            lines.append(f"| {r['kind']} | {r['compile']} | **{r['status'].upper()}** | {r.get('error', '')[:80]} "
-                         f"| | | | |")
+            lines.append(f"| {r['kind']} | {r['compile']} | {e['backend']} | **{r['status'].upper()}** | "
+                         f"{r.get('error', '')[:80]} | | | | |")
             continue
         r = e["median_run"]
         ms = f"{e['ms_median']:.1f}"
@@ -351,8 +353,8 @@ def table(rows: list[dict], shape: str) -> str:
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
         ratio = f"{r['realized_ratio']:.3f}" if r["realized_ratio"] is not None else "-"
         vs = f"{e['vs_full']:.2f}x" if e["vs_full"] is not None else "-"
-        lines.append(f"| {r['kind']} | {r['compile']} | {ms} | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | {ratio} "
-                     f"| {vs} |")
+        lines.append(f"| {r['kind']} | {r['compile']} | {e['backend']} | {ms} | {r['tokens_per_s']:,.0f} | {mfu} | "
+                     f"{mem} | {ratio} | {vs} |")
     return "\n".join(lines)
 
 
@@ -384,6 +386,8 @@ def parse_args(argv=None):
                     help="per run: the medians of the host's issue time of the forward and of the step against the "
                          "GPU's finish times (CUDA events; no profiler) in the JSON and a table (is the step "
                          "host-paced?)")
+    ap.add_argument("--backends", default="auto",
+                    help="comma list of attention.backend values to run each (shape, kind) with (auto, flash, triton)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (shape, kind) run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a train.py override for every run (repeatable), e.g. attention.recompute_branch_inputs=never")
@@ -415,20 +419,20 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("compile", "ac", "loss", "warmup", "steps", "set", "repeats",
-                                              "host_timing")}
+                                              "host_timing", "backends")}
     for shape in shapes:
         ac = ("on" if SHAPES[shape][3] else "off") if args.ac == "auto" else args.ac
         for comp in compiles:
             for rep in range(args.repeats):  # rounds of every kind, so each round's runs are neighbours in time
-                for kind in kinds:
+                for kind, backend in ((k, b) for k in kinds for b in args.backends.split(",")):
                     t0 = time.time()
-                    r = {"shape": shape, "kind": kind, "compile": comp, "ac": ac, "repeat": rep,
-                         **run_one(shape, kind, comp, ac, args), "wall_s": None}
+                    r = {"shape": shape, "kind": kind, "compile": comp, "ac": ac, "backend": backend, "repeat": rep,
+                         **run_one(shape, kind, comp, ac, args, backend), "wall_s": None}
                     r["wall_s"] = round(time.time() - t0, 1)
                     rows.append(r)
                     figure = f"{r['ms_per_step']:.1f} ms/step" if r["status"] == "ok" else r["status"]
-                    print(f"  {shape} {kind} compile={comp} ac={ac} repeat {rep}: {figure} ({r['wall_s']} s)",
-                          flush=True)
+                    print(f"  {shape} {kind} compile={comp} ac={ac} backend={backend} repeat {rep}: {figure} "
+                          f"({r['wall_s']} s)", flush=True)
                     if r.get("host_timing"):
                         print("    ms from the step's start: " + ", ".join(
                             f"{k[:-3].replace('_', ' ')} {v:.1f}" for k, v in r["host_timing"].items()), flush=True)

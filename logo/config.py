@@ -13,7 +13,7 @@ TRANSFORMS = ("lp", "so", "shared", "full")
 FUSIONS = ("weighted", "additive")
 BUDGET_CONTROLS = ("threshold", "quantile", "aux_loss")
 GLOBAL_LAYER_KINDS = ("full", "logo")
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "flash")
 RECOMPUTE_MODES = ("compiled", "always", "never")
 
 
@@ -76,7 +76,9 @@ class AttentionConfig:
     # ContextNorm on the Triton backend: both head-wise RMSNorms and the fusion in one kernel each way
     # (logo/kernels/triton/_fuse.py); false runs the PyTorch expression (same math and roundings).
     fuse_context_norm: bool = True
-    backend: str = "auto"  # attention ops: auto (triton on CUDA, reference on CPU) | reference | triton
+    # attention ops: auto (FlashAttention-4 on Hopper when installed, else Triton on CUDA; reference on CPU) |
+    # reference | triton | flash (logo/kernels/dispatch.py)
+    backend: str = "auto"
 
     def validate(self, n_layers: Optional[int] = None, n_heads: Optional[int] = None) -> "AttentionConfig":
         if self.kind not in ATTENTION_KINDS:

@@ -36,20 +36,20 @@ def problem(dtype, mode, seed=0, H=2, D=16):
 @pytest.mark.parametrize("window", [0, 5])
 def test_opcheck_sparse_reference(mode, window):
     q, k, v, pos, rows, cu_q, cu = problem(torch.float64, mode)
-    args = (q, k, v, pos, rows, cu_q, cu, 0.25, window, False)
+    args = (q, k, v, pos, rows, cu_q, cu, 0.25, window, "reference")
     torch.library.opcheck(torch.ops.logo.range_attention_fwd.default, args)
     o, lse = torch.ops.logo.range_attention_fwd(*args)
     do = torch.randn_like(o)
     torch.library.opcheck(torch.ops.logo.range_attention_bwd.default,
                           (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, pos, rows, cu_q, cu, 0.25,
-                           window, False))
+                           window, "reference"))
 
 
 @pytest.mark.parametrize("window", [0, 3])
 def test_opcheck_dense_reference(window):
     q, k, v, _, _, _, cu = problem(torch.float64, "all")
     torch.library.opcheck(torch.ops.logo.range_attention_fwd.default,
-                          (q, k, v, None, None, cu, cu, 0.25, window, False))
+                          (q, k, v, None, None, cu, cu, 0.25, window, "reference"))
 
 
 def test_opcheck_triton_interpreted():
@@ -58,19 +58,19 @@ def test_opcheck_triton_interpreted():
     q, k, v, pos, rows, cu_q, cu = (t.detach().to(dev) for t in problem(torch.float32, "random", seed=2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.logo.range_attention_fwd.default,
-                          (q, k, v, pos, rows, cu_q, cu, 0.25, 0, True))
+                          (q, k, v, pos, rows, cu_q, cu, 0.25, 0, "triton"))
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("window", [0, 4])
-def test_head_major_inputs_equal_contiguous(use_triton, window):
+def test_head_major_inputs_equal_contiguous(impl, window):
     """q, k, v, dO laid out head-major ((H, N, D) memory viewed as (N, H, D), as a per-head batched matmul
     leaves the global branch's q, k, v): the ops read them in place (no copy) and give the same outputs and
     gradients as contiguous inputs, in contiguous tensors (the fake outputs' layout); opcheck passes."""
-    dev = "cuda" if (CUDA and use_triton) else "cpu"
+    dev = "cuda" if (CUDA and impl != "reference") else "cpu"
     q, k, v, pos, rows, cu_q, cu = (t.detach().to(dev) for t in problem(torch.float32, "random", seed=4))
     head_major = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v)]  # strides (D, N*D, 1)
-    args = (pos, rows, cu_q, cu, 0.25, window, use_triton)
+    args = (pos, rows, cu_q, cu, 0.25, window, impl)
     o, lse = torch.ops.logo.range_attention_fwd(q, k, v, *args)
     o2, lse2 = torch.ops.logo.range_attention_fwd(*head_major, *args)
     assert o2.is_contiguous() and not head_major[0].is_contiguous()

@@ -42,18 +42,18 @@ def problem(dtype, select: str = "half", seed: int = 0, cu=(0, 10, 24, 31, 48)):
     return q, k, v, A, cos, sin, seqs, partition(z, seqs)
 
 
-def separate(q, k, v, A, cos, sin, seqs, sel, use_triton):
+def separate(q, k, v, A, cos, sin, seqs, sel, impl):
     """What the layer runs with attention.fuse_branches=false: three differentiable ops."""
-    qr, kr, qg, kg, vg = ops.rope_transform(q, k, v, A, cos, sin, use_triton)
-    o_local = ops.sliding_window_attention(qr, kr, v, seqs.cu_seqlens, WINDOW, use_triton=use_triton)
+    qr, kr, qg, kg, vg = ops.rope_transform(q, k, v, A, cos, sin, impl != "reference")
+    o_local = ops.sliding_window_attention(qr, kr, v, seqs.cu_seqlens, WINDOW, impl=impl)
     o_global = ops.query_sparse_attention(qg, kg, vg, seqs.pos, sel.rows, sel.cu_seqlens_q, seqs.cu_seqlens,
-                                          use_triton=use_triton)
+                                          impl=impl)
     return o_local, o_global
 
 
-def merged(q, k, v, A, cos, sin, seqs, sel, use_triton, keep_rotated=False):
+def merged(q, k, v, A, cos, sin, seqs, sel, impl, keep_rotated=False):
     return branches.logo_branches(q, k, v, A, cos, sin, seqs.pos, sel.rows, sel.cu_seqlens_q, seqs.cu_seqlens,
-                                  WINDOW, keep_rotated, use_triton=use_triton)
+                                  WINDOW, keep_rotated, impl=impl)
 
 
 def outputs_and_grads(fn, inputs, seed=7):
@@ -64,20 +64,20 @@ def outputs_and_grads(fn, inputs, seed=7):
     return tuple(o.detach() for o in outs) + torch.autograd.grad(outs, (q, k, v, A), grads)
 
 
-CASES = [(torch.float64, False), (torch.float32, True), (torch.bfloat16, True)]
+CASES = [(torch.float64, "reference"), (torch.float32, "triton"), (torch.bfloat16, "triton")]
 if not CUDA:  # the interpreter is slow: bf16 once, at the default selection only (below)
     CASES = CASES[:2]
 
 
-@pytest.mark.parametrize("dtype,use_triton", CASES, ids=lambda x: str(x).replace("torch.", ""))
+@pytest.mark.parametrize("dtype,impl", CASES, ids=lambda x: str(x).replace("torch.", ""))
 @pytest.mark.parametrize("keep_rotated", [False, True], ids=["recompute", "keep"])
 @pytest.mark.parametrize("select", ["half", "none", "one", "all"])
-def test_one_op_equals_the_separate_ops(dtype, use_triton, keep_rotated, select):
+def test_one_op_equals_the_separate_ops(dtype, impl, keep_rotated, select):
     """Both branch outputs and the gradients of q, k, v and A (each transform's), over several documents and none,
     one, half or all of the rows selected."""
     inputs = problem(dtype, select)
-    want = outputs_and_grads(lambda *a: separate(*a, use_triton), inputs)
-    got = outputs_and_grads(lambda *a: merged(*a, use_triton, keep_rotated), inputs)
+    want = outputs_and_grads(lambda *a: separate(*a, impl), inputs)
+    got = outputs_and_grads(lambda *a: merged(*a, impl, keep_rotated), inputs)
     rtol, atol = TOL[dtype]
     for name, a, b in zip(("o_local", "o_global", "dq", "dk", "dv", "dA"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -89,8 +89,8 @@ def test_one_op_equals_the_separate_ops(dtype, use_triton, keep_rotated, select)
 @pytest.mark.skipif(CUDA, reason="covered by the parametrized test on the GPU")
 def test_one_op_equals_the_separate_ops_bf16_interpreted():
     inputs = problem(torch.bfloat16)
-    want = outputs_and_grads(lambda *a: separate(*a, True), inputs)
-    got = outputs_and_grads(lambda *a: merged(*a, True), inputs)
+    want = outputs_and_grads(lambda *a: separate(*a, "triton"), inputs)
+    got = outputs_and_grads(lambda *a: merged(*a, "triton"), inputs)
     for name, a, b in zip(("o_local", "o_global", "dq", "dk", "dv", "dA"), got, want, strict=True):
         close(a, b, *TOL[torch.bfloat16], name)
 
@@ -116,14 +116,14 @@ def test_opcheck(keep_rotated):
     opcheck's repeated calls; the kernels' equality with it is tested above)."""
     q, k, v, A, cos, sin, seqs, sel = problem(torch.float64)
     args = (q, k, v, A, cos, sin, seqs.pos, sel.rows, sel.cu_seqlens_q, seqs.cu_seqlens, D ** -0.5, WINDOW,
-            keep_rotated, False)
+            keep_rotated, "reference")
     torch.library.opcheck(branches.logo_branches_fwd, args)
     outs = branches.logo_branches_fwd(*(t.detach() if isinstance(t, torch.Tensor) else t for t in args))
     dos = [torch.randn_like(outs[0]) for _ in range(2)]
     rotated = list(outs[4:]) if keep_rotated else []
     torch.library.opcheck(branches.logo_branches_bwd, (*dos, q.detach(), k.detach(), v.detach(), A.detach(), cos, sin,
                                                        *outs[:4], rotated, seqs.pos, sel.rows, sel.cu_seqlens_q,
-                                                       seqs.cu_seqlens, D ** -0.5, WINDOW, False))
+                                                       seqs.cu_seqlens, D ** -0.5, WINDOW, "reference"))
 
 
 def test_keep_rotated_keeps_the_rotated_inputs_for_the_backward():
@@ -132,7 +132,7 @@ def test_keep_rotated_keeps_the_rotated_inputs_for_the_backward():
     for keep in (False, True):
         inputs = problem(torch.float64)
         with kept_for_backward() as storages:
-            outs = merged(*inputs, False, keep)
+            outs = merged(*inputs, "reference", keep)
         kept[keep] = sum(storages.values())
         results[keep] = torch.autograd.grad(sum(o.square().sum() for o in outs), inputs[:4])
     one_nhd = inputs[0].numel() * 8

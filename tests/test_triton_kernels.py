@@ -9,7 +9,7 @@ Tolerances (||out - ref|| <= rtol * ||ref|| + atol * sqrt(numel), reference in f
   rounds the probabilities P and dS to 16 bits before the P@V, dS@K, dS^T@Q products (as FlashAttention
   does), which gives relative errors of about 4e-3 on outputs and 6e-3 to 1e-2 on gradients.
 Every output buffer is poisoned with NaN before each run, so an unwritten row fails the comparison. The kernels
-go through the custom ops (`logo.kernels.ops`, use_triton=True) as the model calls them; the reference is the
+go through the custom ops (`logo.kernels.ops`, impl="triton") as the model calls them; the reference is the
 plain-autograd `logo.kernels.reference` on the same static-shape contract.
 """
 import math
@@ -90,17 +90,17 @@ def select(lengths, mode, seed):
 
 def qsparse(rows, q_pos, cu_q, cu):
     """(kernel, reference) query-sparse functions of q, k, v for one selection."""
-    return (lambda a, b, c: ops.query_sparse_attention(a, b, c, q_pos, rows, cu_q, cu, use_triton=True),
+    return (lambda a, b, c: ops.query_sparse_attention(a, b, c, q_pos, rows, cu_q, cu, impl="triton"),
             lambda a, b, c: ref.query_sparse_attention(a, b, c, q_pos, rows, cu_q, cu))
 
 
 def window_fns(cu, window):
-    return (lambda a, b, c: ops.sliding_window_attention(a, b, c, cu, window, use_triton=True),
+    return (lambda a, b, c: ops.sliding_window_attention(a, b, c, cu, window, impl="triton"),
             lambda a, b, c: ref.sliding_window_attention(a, b, c, cu, window))
 
 
 def causal_fns(cu):
-    return (lambda a, b, c: ops.causal_attention(a, b, c, cu, use_triton=True),
+    return (lambda a, b, c: ops.causal_attention(a, b, c, cu, impl="triton"),
             lambda a, b, c: ref.causal_attention(a, b, c, cu))
 
 
@@ -342,7 +342,7 @@ def test_key_rows_and_split_equal_the_reference(lengths, mode, block_n, dq_mode,
     monkeypatch.setattr(_attn, "_split_kernel", spy)
     monkeypatch.setitem(_attn.CONFIG_OVERRIDE, ("global",), {"dkdv": (16, block_n, 4, 1), "dq_mode": dq_mode})
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    ops.query_sparse_attention(*xs, q_pos, rows, cu_q, cu, use_triton=True).sum().backward()
+    ops.query_sparse_attention(*xs, q_pos, rows, cu_q, cu, impl="triton").sum().backward()
     (kidx, split, bn), = spy.seen
     want_kidx, want_split = _attn.key_rows_and_split(q_pos, rows, cu_q, cu, k.shape[0], block_n)
     assert bn == block_n
@@ -377,16 +377,16 @@ def test_log_sum_exp_matches_dense(window):
 def test_bad_inputs_are_named():
     (q, k, v), cu = packed([8], 1, HEAD_DIMS[0], torch.float32, seed=0)
     with pytest.raises(ValueError, match="head dims"):
-        ops.sliding_window_attention(q[..., :12], k[..., :12], v[..., :12], cu, 4, use_triton=True)
+        ops.sliding_window_attention(q[..., :12], k[..., :12], v[..., :12], cu, 4, impl="triton")
     with pytest.raises(ValueError, match="window"):
-        ops.sliding_window_attention(q, k, v, cu, 0, use_triton=True)
+        ops.sliding_window_attention(q, k, v, cu, 0, impl="triton")
     with pytest.raises(ValueError, match="share one of"):
-        ops.sliding_window_attention(q.double(), k.double(), v.double(), cu, 4, use_triton=True)
+        ops.sliding_window_attention(q.double(), k.double(), v.double(), cu, 4, impl="triton")
     rows = torch.arange(8, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="q_pos"):
-        ops.query_sparse_attention(q, k, v, rows[:3], rows, cu, cu, use_triton=True)
+        ops.query_sparse_attention(q, k, v, rows[:3], rows, cu, cu, impl="triton")
     with pytest.raises(ValueError, match="rows"):
-        ops.query_sparse_attention(q, k, v, rows, rows[:5], cu, cu, use_triton=True)
+        ops.query_sparse_attention(q, k, v, rows, rows[:5], cu, cu, impl="triton")
 
 
 def test_logo_layer_triton_equals_reference():

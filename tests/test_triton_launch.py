@@ -70,7 +70,7 @@ def test_cpu_tensors_take_the_plain_launch():
     N, H, D = 32, 2, 16
     q, k, v = (torch.randn(N, H, D) for _ in range(3))
     cu = torch.tensor([0, N], dtype=torch.int32)
-    ops.sliding_window_attention(q, k, v, cu, 8, use_triton=True)
+    ops.sliding_window_attention(q, k, v, cu, 8, impl="triton")
     assert _launch._cache == before
 
 
@@ -96,8 +96,8 @@ def _layer_outputs_and_grads(problem, keep_rotated):
                                                    torch.ones(H, D, device="cuda"))]
     q_, k_, v_, A_, p_, w_l, w_g = leaves
     o_l, o_g = branches.logo_branches(q_, k_, v_, A_, cos, sin, seqs.pos, sel.rows, sel.cu_seqlens_q,
-                                      seqs.cu_seqlens, 128, keep_rotated, use_triton=True)
-    o = ops.context_fuse(o_l, o_g, p_, z, w_l, w_g, 1e-6, True, use_triton=True)
+                                      seqs.cu_seqlens, 128, keep_rotated, impl="triton")
+    o = ops.context_fuse(o_l, o_g, p_, z, w_l, w_g, 1e-6, True, impl="triton")
     g = torch.Generator().manual_seed(1)
     (o.float() * torch.randn(o.shape, generator=g).cuda()).sum().backward()
     return [o_l.detach(), o_g.detach(), o.detach()] + [t.grad for t in leaves]
@@ -134,7 +134,7 @@ def test_misaligned_inputs_get_their_own_compiled_kernel(monkeypatch):
     for fast in (False, True):
         monkeypatch.setattr(_launch, "FAST", fast)
         _launch.clear()
-        outs[fast] = [ops.causal_attention(x, x, x, cu, use_triton=True) for x in (aligned, shifted, aligned)]
+        outs[fast] = [ops.causal_attention(x, x, x, cu, impl="triton") for x in (aligned, shifted, aligned)]
     assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
     keys = [k for k in _launch._cache]
     assert len(keys) == 2 and keys[0][3] != keys[1][3]

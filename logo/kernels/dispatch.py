@@ -1,10 +1,14 @@
-"""The one place the model calls attention ops through: the custom ops of `logo.kernels.ops`, running the Triton
-kernels or the pure-PyTorch reference inside.
+"""The one place the model calls attention ops through: the custom ops of `logo.kernels.ops`, running one of the
+attention implementations inside (`ops.IMPLS`).
 
-backend: "auto" -> Triton when the tensors are on CUDA and `logo.kernels.triton` imports, else the reference;
-"reference" -> always the reference; "triton" -> always Triton (error if unavailable; on CPU tensors it needs
-TRITON_INTERPRET=1). The choice is made from the device and the module's import status, both fixed while a
-graph is compiled, so `torch.compile(fullgraph=True)` sees only the custom ops.
+backend (attention.backend):
+- "auto": on a Hopper GPU with FlashAttention-4 installed, "flash" for bf16/fp16 inputs with head dim 64 or 128
+  (`logo.kernels.flash.usable`); else "triton" on CUDA (when `logo.kernels.triton` imports); else "reference";
+- "flash", "triton", "reference": that implementation (a one-line error where it cannot run).
+The RoPE + transform and ContextNorm kernels (`fuses_rope_transform`, `fuses_context_norm`) are Triton under both
+"flash" and "triton". The choice is made from the device, dtype, head dim and the packages present, all fixed
+while a graph is compiled, so `torch.compile(fullgraph=True)` sees only the custom ops. `describe` states it in
+one line for the start-up report.
 
 `override(ops)` routes the three public ops to `ops` (an object with the same three methods, plus `backend`)
 inside a `with` block: context parallelism (`logo/parallel/cp.py`) uses it to add its communication around
@@ -18,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from logo.kernels import branches, ops
+from logo.kernels import branches, flash, ops
 
 try:  # Triton missing or broken: the reference still works
     from logo.kernels import triton as _triton_ops  # noqa: F401
@@ -27,16 +31,51 @@ except Exception:  # noqa: BLE001
     _TRITON = False
 
 _override = None  # set by `override`
+BACKENDS = ("auto", "reference", "triton", "flash")
+
+
+def attention_impl(q: torch.Tensor, backend: str) -> str:
+    """The implementation (`ops.IMPLS`) the attention ops run for inputs like q (N, H, D) under `backend`."""
+    return _impl_for(backend, q.device, q.dtype, q.shape[-1])
+
+
+@torch.compiler.assume_constant_result  # decided once per (backend, device, dtype, head dim): a constant in graphs
+def _impl_for(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    if backend == "reference":
+        return "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {list(BACKENDS)}")
+    if backend == "flash":
+        describe("flash", device, dtype, head_dim)  # one-line ValueError where it cannot run
+        return "flash"
+    if backend == "triton" and not _TRITON:
+        raise RuntimeError("attention.backend='triton' but logo.kernels.triton could not be imported")
+    if backend == "auto" and device.type == "cuda" and flash.usable(device, dtype, head_dim):
+        return "flash"
+    return "triton" if _TRITON and (device.type == "cuda" or backend == "triton") else "reference"
 
 
 def _use_triton(q, backend: str) -> bool:
-    if backend == "reference":
-        return False
-    if backend not in ("auto", "triton"):
-        raise ValueError(f"unknown attention backend {backend!r}; choose auto, reference or triton")
-    if backend == "triton" and not _TRITON:
-        raise RuntimeError("attention.backend='triton' but logo.kernels.triton could not be imported")
-    return _TRITON and (q.is_cuda or backend == "triton")
+    """Whether the GPU kernels run (Triton's RoPE + transform and ContextNorm kernels with either GPU attention)."""
+    return attention_impl(q, backend) != "reference"
+
+
+def describe(backend: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str:
+    """One line for the start-up report: the attention kernels a run with `backend` uses on `device` for attention
+    inputs of `dtype` and `head_dim`, and why FlashAttention-4 is not used where it is not. ValueError (one line)
+    for backend="flash" where it cannot run."""
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+        return "reference (PyTorch)"
+    if backend in ("auto", "flash"):
+        reason = flash.unavailable_reason(device)
+        if not reason and (dtype not in flash.DTYPES or head_dim not in flash.HEAD_DIMS):
+            reason = f"it is used for 16-bit inputs of head dim {flash.HEAD_DIMS}, not {dtype} of {head_dim}"
+        if not reason:
+            return f"flash (FlashAttention-4 {flash.version()}; RoPE and ContextNorm kernels: Triton)"
+        if backend == "flash":
+            raise ValueError(f"attention.backend=flash cannot run here: {reason}")
+        return f"triton (FlashAttention-4 not used: {reason})"
+    return "triton"
 
 
 def overridden() -> bool:
@@ -72,24 +111,25 @@ def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale: Optional[f
     return _sliding_window(q, k, v, cu_seqlens, window, scale, backend)
 
 
-def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto"):
-    """Dense causal attention inside each packed sequence: every row a query (N, H, D)."""
+def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto", seqlen: int = 0):
+    """Dense causal attention inside each packed sequence: every row a query (N, H, D). seqlen > 0: the sequences are
+    whole rows of seqlen tokens (a layout hint; context parallelism, which cuts rows, ignores it)."""
     if _override is not None:
         return _override.causal_attention(q, k, v, cu_seqlens, scale, backend)
-    return _causal(q, k, v, cu_seqlens, scale, backend)
+    return _causal(q, k, v, cu_seqlens, scale, backend, seqlen)
 
 
 def _query_sparse(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, backend):
     return ops.query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale,
-                                      use_triton=_use_triton(q, backend))
+                                      impl=attention_impl(q, backend))
 
 
 def _sliding_window(q, k, v, cu_seqlens, window, scale, backend):
-    return ops.sliding_window_attention(q, k, v, cu_seqlens, window, scale, use_triton=_use_triton(q, backend))
+    return ops.sliding_window_attention(q, k, v, cu_seqlens, window, scale, impl=attention_impl(q, backend))
 
 
-def _causal(q, k, v, cu_seqlens, scale, backend):
-    return ops.causal_attention(q, k, v, cu_seqlens, scale, use_triton=_use_triton(q, backend))
+def _causal(q, k, v, cu_seqlens, scale, backend, seqlen: int = 0):
+    return ops.causal_attention(q, k, v, cu_seqlens, scale, impl=attention_impl(q, backend), seqlen=seqlen)
 
 
 def fuses_rope_transform(x, A, backend: str = "auto") -> bool:
@@ -124,7 +164,7 @@ def logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k,
     (`fuses_rope_transform`) and no `override` is active (context parallelism adds its communication around the
     separate attention ops)."""
     return branches.logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window,
-                                  keep_rotated, use_triton=_use_triton(q, backend))
+                                  keep_rotated, impl=attention_impl(q, backend))
 
 
 # The ops without any override (what an override calls after its own work).

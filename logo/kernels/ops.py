@@ -2,8 +2,8 @@
 
 One op pair serves every kind ("range attention": each query slot sees a contiguous key range of its sequence):
 
-    logo::range_attention_fwd(q, k, v, q_pos?, rows?, cu_q, cu_k, scale, window, use_triton) -> (o, lse2)
-    logo::range_attention_bwd(do, q, k, v, o, lse2, q_pos?, rows?, cu_q, cu_k, scale, window, use_triton)
+    logo::range_attention_fwd(q, k, v, q_pos?, rows?, cu_q, cu_k, scale, window, impl, seqlen) -> (o, lse)
+    logo::range_attention_bwd(do, q, k, v, o, lse, q_pos?, rows?, cu_q, cu_k, scale, window, impl, seqlen)
         -> (dq, dk, dv)
 
 and the LoGo layer's branch inputs (RoPE of the local q or k and of its per-head global transform, and the
@@ -15,14 +15,19 @@ global v, one pass):
 
 (`logo.kernels.branches` runs rope_transform and both attention ops of a LoGo layer as one op pair.)
 
-rows None: every row a query (sliding window with window > 0, causal with window 0); else query-sparse with
+rows None: every row a query (sliding window with window > 0, causal with window 0; seqlen > 0 says every sequence
+is a whole row of seqlen tokens, a layout hint the "flash" implementation's dense causal kernel takes); else
+query-sparse with
 the static-shape contract of `logo.kernels.reference` (o (N, H, D), zero at unselected rows; the selected count
-cu_q[-1] stays on the device). use_triton picks the Triton kernels (CUDA, or the CPU interpreter) or the
-pure-PyTorch reference inside the op, so the op (and `opcheck`) also runs on CPU. Output shapes depend only on
-input shapes (`register_fake`); the backward is the second op (`register_autograd`). q, k, v, o and dO may
-have any row and head strides as long as the head dim is contiguous (the kernels take the strides: the global
-branch's transformed q, k, v come out of a per-head batched matmul as (H, N, D) memory viewed as (N, H, D),
-and copying them cost two strided copies per layer); the small index tensors and lse are made contiguous.
+cu_q[-1] stays on the device). `impl` names the implementation run inside the op (IMPLS): "flash"
+(FlashAttention-4 on Hopper, `logo.kernels.flash`), "triton" (`logo.kernels.triton`: CUDA, or the CPU
+interpreter) or "reference" (pure PyTorch), so the op (and `opcheck`) also runs on CPU; `logo.kernels.dispatch`
+chooses it. The log-sum-exp is private to each implementation's backward (its shape (H, N) float32 is the same
+for all). Output shapes depend only on input shapes (`register_fake`); the backward is the second op
+(`register_autograd`). q, k, v, o and dO may have any row and head strides as long as the head dim is contiguous
+(the kernels take the strides: the global branch's transformed q, k, v come out of a per-head batched matmul as
+(H, N, D) memory viewed as (N, H, D), and copying them cost two strided copies per layer); the small index
+tensors and lse are made contiguous.
 """
 from __future__ import annotations
 
@@ -34,12 +39,20 @@ from torch import Tensor
 
 from logo.kernels import reference
 
+IMPLS = ("reference", "triton", "flash")
 
-def _impl(use_triton: bool):
-    if use_triton:
+
+def _impl(impl: str):
+    """The module running the attention kernels for `impl` (each has attn_forward, attn_backward, validate)."""
+    if impl == "flash":
+        from logo.kernels import flash
+        return flash
+    if impl == "triton":
         from logo.kernels import triton as triton_ops
         return triton_ops
-    return reference
+    if impl == "reference":
+        return reference
+    raise ValueError(f"unknown attention implementation {impl!r}; choose one of {list(IMPLS)}")
 
 
 def _c(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -53,17 +66,22 @@ def _rows(t: Tensor) -> Tensor:
 
 @torch.library.custom_op("logo::range_attention_fwd", mutates_args=())
 def range_attention_fwd(q: Tensor, k: Tensor, v: Tensor, q_pos: Optional[Tensor], rows: Optional[Tensor],
-                        cu_q: Tensor, cu_k: Tensor, scale: float, window: int,
-                        use_triton: bool) -> tuple[Tensor, Tensor]:
-    """o (N, H, D) and the base-2 log-sum-exp per query slot (H, N) (private to the backward)."""
-    return attention_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale, window, use_triton)
+                        cu_q: Tensor, cu_k: Tensor, scale: float, window: int, impl: str,
+                        seqlen: int = 0) -> tuple[Tensor, Tensor]:
+    """o (N, H, D) and the log-sum-exp per query slot (H, N) (private to the backward)."""
+    return attention_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale, window, impl, seqlen)
 
 
-def attention_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int, use_triton: bool):
-    """`range_attention_fwd`'s body (also run inside `logo.kernels.branches`' op): the Triton kernels or the
-    reference on q, k, v with any row and head strides."""
-    return _impl(use_triton).attn_forward(_rows(q), _rows(k), _rows(v), _c(q_pos), _c(rows),
-                                          cu_q.contiguous(), cu_k.contiguous(), scale, window)
+def _layout(impl: str, seqlen: int) -> dict:
+    """The layout hint for the implementations that take it."""
+    return {"seqlen": seqlen} if impl == "flash" and seqlen else {}
+
+
+def attention_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int, impl: str, seqlen: int = 0):
+    """`range_attention_fwd`'s body (also run inside `logo.kernels.branches`' op): `impl`'s kernels on q, k, v with
+    any row and head strides."""
+    return _impl(impl).attn_forward(_rows(q), _rows(k), _rows(v), _c(q_pos), _c(rows), cu_q.contiguous(),
+                                    cu_k.contiguous(), scale, window, **_layout(impl, seqlen))
 
 
 def fake_lse(q: Tensor) -> Tensor:
@@ -72,51 +90,52 @@ def fake_lse(q: Tensor) -> Tensor:
 
 
 @range_attention_fwd.register_fake
-def _(q, k, v, q_pos, rows, cu_q, cu_k, scale, window, use_triton):
+def _(q, k, v, q_pos, rows, cu_q, cu_k, scale, window, impl, seqlen=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format), fake_lse(q)
 
 
 @torch.library.custom_op("logo::range_attention_bwd", mutates_args=())
 def range_attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                         q_pos: Optional[Tensor], rows: Optional[Tensor], cu_q: Tensor, cu_k: Tensor, scale: float,
-                        window: int, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+                        window: int, impl: str, seqlen: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """dq (zero at unselected rows), dk, dv."""
-    return attention_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale, window, use_triton)
+    return attention_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale, window, impl, seqlen)
 
 
-def attention_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, window: int, use_triton: bool):
+def attention_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, window: int, impl: str,
+                       seqlen: int = 0):
     """`range_attention_bwd`'s body (also run inside `logo.kernels.branches`' op)."""
-    return _impl(use_triton).attn_backward(_rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse.contiguous(),
-                                           _c(q_pos), _c(rows), cu_q.contiguous(),
-                                           cu_k.contiguous(), scale, window)
+    return _impl(impl).attn_backward(_rows(do), _rows(q), _rows(k), _rows(v), _rows(o), lse.contiguous(),
+                                     _c(q_pos), _c(rows), cu_q.contiguous(), cu_k.contiguous(), scale, window,
+                                     **_layout(impl, seqlen))
 
 
 @range_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale, window, use_triton):
+def _(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale, window, impl, seqlen=0):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q_pos, rows, cu_q, cu_k, scale, window, use_triton = inputs
+    q, k, v, q_pos, rows, cu_q, cu_k, scale, window, impl, seqlen = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, q_pos, rows, cu_q, cu_k)
-    ctx.cfg = (scale, window, use_triton)
+    ctx.cfg = (scale, window, impl, seqlen)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse, q_pos, rows, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = range_attention_bwd(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, *ctx.cfg)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 range_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _prepare(q, k, v, q_pos, rows, cu_q, cu_k, scale, use_triton):
+def _prepare(q, k, v, q_pos, rows, cu_q, cu_k, scale, impl: str):
     reference.check_inputs(q, k, v, q_pos, rows, cu_q, cu_k)
-    if use_triton:
-        _impl(True).validate(q, k, v)
+    if impl != "reference":
+        _impl(impl).validate(q, k, v)
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
@@ -125,34 +144,38 @@ def _i32(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale: Optional[float] = None,
-                           use_triton: bool = False) -> Tensor:
+                           impl: str = "reference") -> Tensor:
     """Causal attention of the selected rows over dense keys/values: (N, H, D), zero at unselected rows (the
-    contract is in `logo.kernels.reference`). No host synchronisation with the Triton kernels."""
-    scale = _prepare(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, use_triton)
+    contract is in `logo.kernels.reference`). No host synchronisation with the GPU implementations."""
+    scale = _prepare(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, impl)
     return range_attention_fwd(q, k, v, _i32(q_pos), _i32(rows), _i32(cu_seqlens_q), _i32(cu_seqlens_k), scale, 0,
-                               use_triton)[0]
+                               impl)[0]
 
 
 def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale: Optional[float] = None,
-                             use_triton: bool = False) -> Tensor:
+                             impl: str = "reference") -> Tensor:
     """Causal sliding-window attention over packed sequences: (N, H, D)."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    return _every_row_a_query(q, k, v, cu_seqlens, int(window), scale, use_triton)
+    return _every_row_a_query(q, k, v, cu_seqlens, int(window), scale, impl)
 
 
-def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, use_triton: bool = False) -> Tensor:
-    """Dense causal attention inside each packed sequence (every row a query): (N, H, D)."""
-    return _every_row_a_query(q, k, v, cu_seqlens, 0, scale, use_triton)
+def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, impl: str = "reference",
+                     seqlen: int = 0) -> Tensor:
+    """Dense causal attention inside each packed sequence (every row a query): (N, H, D). seqlen > 0: the sequences
+    are whole rows of seqlen tokens (cu_seqlens = 0, seqlen, 2 seqlen, ...), a layout hint."""
+    if seqlen and q.shape[0] % seqlen:
+        raise ValueError(f"seqlen={seqlen} does not divide the {q.shape[0]} packed rows")
+    return _every_row_a_query(q, k, v, cu_seqlens, 0, scale, impl, seqlen)
 
 
-def _every_row_a_query(q, k, v, cu_seqlens, window: int, scale, use_triton: bool) -> Tensor:
+def _every_row_a_query(q, k, v, cu_seqlens, window: int, scale, impl: str, seqlen: int = 0) -> Tensor:
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k must have the same rows when every row is a query, got {q.shape[0]} and "
                          f"{k.shape[0]}")
-    scale = _prepare(q, k, v, None, None, cu_seqlens, cu_seqlens, scale, use_triton)
+    scale = _prepare(q, k, v, None, None, cu_seqlens, cu_seqlens, scale, impl)
     cu = _i32(cu_seqlens)
-    return range_attention_fwd(q, k, v, None, None, cu, cu, scale, window, use_triton)[0]
+    return range_attention_fwd(q, k, v, None, None, cu, cu, scale, window, impl, int(seqlen))[0]
 
 
 def _rope_impl(use_triton: bool):

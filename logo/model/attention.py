@@ -18,13 +18,15 @@ from logo.model.layers import PackedSeqs, apply_rope, autocast_input
 
 def causal(q, k, v, seqs: PackedSeqs, backend: str) -> torch.Tensor:
     """Full causal attention of q, k, v (B, T, H, D) inside each sequence -> (B, T, H, D)."""
-    if not seqs.has_documents:  # one sequence per row: the fused SDPA path (flash/cuDNN on GPU)
+    rows = not seqs.has_documents  # one sequence per row
+    if rows and dispatch.attention_impl(q, backend) != "flash":
+        # PyTorch's fused SDPA (cuDNN / FlashAttention-2 on GPU), faster than the Triton kernels
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True)
         return o.transpose(1, 2)
     B, T = q.shape[:2]
     o = dispatch.causal_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), seqs.cu_seqlens,
-                                  backend=backend)
+                                  backend=backend, seqlen=T if rows else 0)
     return o.unflatten(0, (B, T))
 
 

@@ -41,6 +41,7 @@ class Plan:
     attention_budget: float
     attention_flops_per_token: float
     train_flops_per_token: float
+    attention_kernels: str  # the attention implementation on this machine (logo.kernels.dispatch.describe)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -59,7 +60,8 @@ class Plan:
                 ("learning rate", f"{self.lr:g} -> {self.lr_min:g} (cosine)"),
                 ("attention budget", f"{self.attention_budget:.3f}"),
                 ("attention FLOPs / token", f"{self.attention_flops_per_token:.4g}"),
-                ("train FLOPs / token", f"{self.train_flops_per_token:.4g}")]
+                ("train FLOPs / token", f"{self.train_flops_per_token:.4g}"),
+                ("attention kernels", self.attention_kernels)]
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
@@ -76,8 +78,25 @@ def run_name(cfg: Config, attention_name: str) -> str:
     return f"{base}-{cfg.stage.name}"
 
 
-def make_plan(cfg: Config, world_size: int, attention_name: str = "") -> Plan:
-    """Derive steps, batch split, P-mask and threshold from the config; errors name the offending field."""
+def attention_kernels(cfg: Config, device: torch.device) -> str:
+    """The attention kernels this run uses on `device` (one line; ConfigError where attention.backend cannot run)."""
+    from logo.kernels import dispatch
+    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
+    try:
+        return dispatch.describe(cfg.model.attention.backend, device, torch.bfloat16 if bf16 else torch.float32,
+                                 cfg.model.head_dim)
+    except ValueError as e:
+        raise ConfigError(f"invalid config model.attention.backend={cfg.model.attention.backend!r}: {e}") from None
+
+
+def default_device(cfg: Config) -> torch.device:
+    """The device a run of cfg trains on here (as the trainer picks it)."""
+    return torch.device("cuda" if torch.cuda.is_available() and cfg.parallel.device != "cpu" else "cpu")
+
+
+def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: torch.device | None = None) -> Plan:
+    """Derive steps, batch split, P-mask and threshold from the config; errors name the offending field. `device`:
+    where the run trains (default: `default_device`), for the attention kernels it reports."""
     with torch.device("meta"):
         total, non_emb = param_counts(Transformer(cfg.model))
     s, t = cfg.stage, cfg.train
@@ -112,4 +131,5 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "") -> Plan:
                 pmask_steps=pmask_steps, threshold_init=a.pmask_threshold_init(pmask_steps), lr=s.lr,
                 lr_min=s.lr_min, attention_budget=attention_budget(cfg.model),
                 attention_flops_per_token=attention_flops_per_token(cfg.model, s.seq_len),
-                train_flops_per_token=train_flops_per_token(cfg.model, s.seq_len, non_emb))
+                train_flops_per_token=train_flops_per_token(cfg.model, s.seq_len, non_emb),
+                attention_kernels=attention_kernels(cfg, device or default_device(cfg)))

@@ -249,7 +249,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
         raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with {world} ranks: CUDA graphs of "
                           "the blocks need one device (FSDP and tensor parallelism communicate inside them); use "
                           "train.compile_mode=default")
-    plan = make_plan(cfg, world, attention_name)
+    plan = make_plan(cfg, world, attention_name, device)
     lock = _lock_run_dir(Path(plan.run_dir), rank, world, cfg.run.lock_stale_minutes)
     try:
         return _train(cfg, resolved, plan, device, rank, world, loss_impl, on_step_end, save_final)
