@@ -303,15 +303,17 @@ def test_flash_logo_block_makes_no_host_sync():
 @pytest.mark.parametrize("by_key", [False, True], ids=["by_query", "by_key"])
 def test_triton_tile_plan_equals_the_reference(lengths, mode, by_key):
     """`_tiles.tile_plan` (two Triton launches; the CPU interpreter here) gives the slots' intervals and the lists
-    of `blocks.slot_intervals` / `blocks.tile_lists`: the same counts and, within each count, the same indices."""
+    of `blocks.slot_intervals` / `blocks.tile_lists` (the same counts and, within each count, the same indices),
+    and each row's slot."""
     from logo.kernels.flash import _tiles
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows, q_pos, cu_q = (t.to(dev) for t in select(lengths, mode, seed=1))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     n = rows.shape[0]
-    first, last, lists = _tiles.tile_plan(q_pos, rows, cu_q, cu, n, by_key)
+    first, last, slot, lists = _tiles.tile_plan(q_pos, rows, cu_q, cu, n, by_key)
     want_first, want_last = blocks.slot_intervals(q_pos, rows, cu_q, cu, blocks.padded_slots(n))
     assert torch.equal(first, want_first) and torch.equal(last, want_last)
+    assert torch.equal(rows[slot.long()], torch.arange(n, device=dev, dtype=rows.dtype))  # slot inverts rows
     want = blocks.tile_lists(want_first, want_last, n, by_key)
     for (cnt, idx), (wcnt, widx) in zip((lists[:2], lists[2:]), (want[:2], want[2:])):
         assert torch.equal(cnt, wcnt)

@@ -49,11 +49,13 @@ def _empty(*shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
 
 
 def _plan(q_pos, rows, cu_q, cu_k, n_keys: int, by_key: bool):
-    """The slots' key intervals (padded to whole tiles: the mask function may read a tile's every row) and the
+    """The slots' key intervals (padded to whole tiles: the mask function may read a tile's every row), each row's
+    slot (to gather outputs back to row order: a gather is ~3x faster than the scatter `index_copy_`) and the
     block sparsity of the forward (per query tile) or of the backward (by_key: per key tile)."""
-    first, last, (pc, pi, wc, wi) = _tiles.tile_plan(q_pos, rows, cu_q, cu_k, n_keys, by_key)
-    return first, last, BlockSparseTensorsTorch(mask_block_cnt=pc, mask_block_idx=pi, full_block_cnt=wc,
-                                                full_block_idx=wi, block_size=(_tiles.blocks.TILE,) * 2)
+    first, last, slot, (pc, pi, wc, wi) = _tiles.tile_plan(q_pos, rows, cu_q, cu_k, n_keys, by_key)
+    tiles = (_tiles.blocks.TILE,) * 2
+    return first, last, slot.long(), BlockSparseTensorsTorch(mask_block_cnt=pc, mask_block_idx=pi, full_block_cnt=wc,
+                                                             full_block_idx=wi, block_size=tiles)
 
 
 def _window(window: int) -> tuple:
@@ -81,14 +83,12 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int, se
         _fa._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, softmax_scale=scale, causal=True,
                             window_size_left=left, window_size_right=right, out=o, lse=lse, return_lse=True)
         return o, lse
-    idx = rows.long()
-    first, last, sparsity = _plan(q_pos, rows, cu_q, cu_k, k.shape[0], by_key=False)
+    first, last, slot, sparsity = _plan(q_pos, rows, cu_q, cu_k, k.shape[0], by_key=False)
     o_slots = _empty(1, n, H, D, like=q)
-    _fa._flash_attn_fwd(q.index_select(0, idx)[None], k[None], v[None], softmax_scale=scale, causal=False,
+    _fa._flash_attn_fwd(q.index_select(0, rows.long())[None], k[None], v[None], softmax_scale=scale, causal=False,
                         mask_mod=_slot_sees_key, aux_tensors=[first, last], block_sparse_tensors=sparsity,
                         out=o_slots, lse=lse[None], return_lse=True)
-    o.index_copy_(0, idx, o_slots[0])
-    return o, lse
+    return torch.index_select(o_slots[0], 0, slot, out=o), lse
 
 
 def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, window: int, seqlen: int = 0):
@@ -107,11 +107,10 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
                             cu_seqlens_k=cu_k, dq=dq, dk=dk, dv=dv)
         return dq, dk, dv
     idx = rows.long()
-    first, last, sparsity = _plan(q_pos, rows, cu_q, cu_k, k.shape[0], by_key=True)
+    first, last, slot, sparsity = _plan(q_pos, rows, cu_q, cu_k, k.shape[0], by_key=True)
     dq_slots = _empty(1, n, H, D, like=q)
     _fa._flash_attn_bwd(q.index_select(0, idx)[None], k[None], v[None], o.index_select(0, idx)[None],
                         do.index_select(0, idx)[None], lse[None], scale, False, 0.0, None, None,
                         mask_mod=_slot_sees_key, aux_tensors=[first, last], block_sparse_tensors=sparsity,
                         dq=dq_slots, dk=dk[None], dv=dv[None])
-    dq.index_copy_(0, idx, dq_slots[0])
-    return dq, dk, dv
+    return torch.index_select(dq_slots[0], 0, slot, out=dq), dk, dv

@@ -42,11 +42,12 @@ def _pack(mask, idx, CNT, IDX, row, STRIDE):
 
 
 @triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "NK", "MK"])
-def _query_tiles_kernel(QPOS, ROWS, CU_Q, CU_K, FIRST, LAST, BOUNDS, PC, PI, WC, WI, NQ, NSEQ, STEPS, NK, MK,
+def _query_tiles_kernel(QPOS, ROWS, CU_Q, CU_K, FIRST, LAST, SLOT, BOUNDS, PC, PI, WC, WI, NQ, NSEQ, STEPS, NK, MK,
                         LISTS: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr):
     m = tl.program_id(0)
     slots = m * TILE + tl.arange(0, TILE)
     rows = tl.load(ROWS + slots, mask=slots < NQ, other=0)
+    tl.store(SLOT + rows, slots, mask=slots < NQ)  # the inverse permutation: each row's slot
     first, last = _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
     live = slots < tl.load(CU_Q + NSEQ)
     first = tl.where(live, first, 0)
@@ -86,7 +87,8 @@ def _key_tiles_kernel(BOUNDS, PC, PI, WC, WI, NK, MQ, TILE: tl.constexpr, BQ: tl
 
 
 def tile_plan(q_pos, rows, cu_q, cu_k, n_keys: int, by_key: bool):
-    """(first, last, lists): `blocks.slot_intervals` over the padded slots and `blocks.tile_lists` (the forward's
+    """(first, last, slot, lists): `blocks.slot_intervals` over the padded slots, each row's slot (N,) int32 (the
+    inverse of the permutation `rows`, to gather outputs back to row order) and `blocks.tile_lists` (the forward's
     when not by_key, the backward's when by_key), computed on the device in two launches."""
     n = rows.shape[0]
     tile = blocks.TILE
@@ -94,14 +96,15 @@ def tile_plan(q_pos, rows, cu_q, cu_k, n_keys: int, by_key: bool):
     dev = rows.device
     first = torch.empty(mq * tile, device=dev, dtype=torch.int32)
     last = torch.empty_like(first)
+    slot = torch.empty(n, device=dev, dtype=torch.int32)
     bounds = torch.empty(mq, 8, device=dev, dtype=torch.int32)
     rows_out, cols = (mk, mq) if by_key else (mq, mk)
     pc, wc = (torch.empty(1, 1, rows_out, device=dev, dtype=torch.int32) for _ in range(2))
     pi, wi = (torch.empty(1, 1, rows_out, cols, device=dev, dtype=torch.int32) for _ in range(2))  # read to count
     nseq, steps = _steps(cu_q)
-    launch(_query_tiles_kernel, (mq,), q_pos, rows, cu_q, cu_k, first, last, bounds, pc, pi, wc, wi, n, nseq, steps,
-           n_keys, mk, LISTS=not by_key, TILE=tile, BK=triton.next_power_of_2(mk), num_warps=4)
+    launch(_query_tiles_kernel, (mq,), q_pos, rows, cu_q, cu_k, first, last, slot, bounds, pc, pi, wc, wi, n, nseq,
+           steps, n_keys, mk, LISTS=not by_key, TILE=tile, BK=triton.next_power_of_2(mk), num_warps=4)
     if by_key:
         launch(_key_tiles_kernel, (mk,), bounds, pc, pi, wc, wi, n_keys, mq, TILE=tile,
                BQ=triton.next_power_of_2(mq), num_warps=4)
-    return first, last, (pc, pi, wc, wi)
+    return first, last, slot, (pc, pi, wc, wi)
