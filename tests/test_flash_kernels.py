@@ -104,7 +104,7 @@ def test_dispatch_falls_back_without_flash(monkeypatch):
     assert dispatch.describe("auto", cuda) == ("triton (FlashAttention-4 not used: flash-attn-4 is not installed "
                                                "(pip install -e '.[gpu]'))")
     assert dispatch.describe("auto", torch.device("cpu")) == "reference (PyTorch)"
-    with pytest.raises(ValueError, match="attention.backend=flash cannot run here: flash-attn-4 is not installed"):
+    with pytest.raises(ValueError, match="FlashAttention-4 cannot run here: flash-attn-4 is not installed"):
         dispatch.describe("flash", cuda)
 
 
@@ -119,6 +119,18 @@ def test_dispatch_picks_flash_where_it_runs(monkeypatch):
     assert dispatch.describe("auto", cuda).startswith("flash (FlashAttention-4 4.0.0b36")
     assert "not float32" not in dispatch.describe("auto", cuda, torch.float32, 128)
     assert dispatch.describe("auto", cuda, torch.float32, 128).startswith("triton (FlashAttention-4 not used")
+
+
+def test_backend_flash_where_it_cannot_run_is_one_line_exit_2(tmp_path):
+    """train.py attention.backend=flash on a machine without it: one line naming the field and the reason, exit 2."""
+    from conftest import run_train
+    p = run_train("model=tiny", "attention.backend=flash", f"run.dir={tmp_path}", check=False, timeout=120,
+                  env={"CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: invalid config attention.backend='flash': FlashAttention-4 cannot run here: not a CUDA "
+                     "device"], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
 
 
 def test_unavailable_reason_on_cpu():
@@ -320,3 +332,60 @@ def test_triton_tile_plan_equals_the_reference(lengths, mode, by_key):
         for r in range(cnt.shape[-1]):
             c = int(cnt[0, 0, r])
             assert torch.equal(idx[0, 0, r, :c], widx[0, 0, r, :c]), r
+
+
+@pytest.mark.gpu
+@needs_flash
+@pytest.mark.parametrize("mode", ["random", "all", "none"])
+def test_flash_query_sparse_with_fewer_queries_than_keys(mode, poison_flash):
+    """Context parallelism's layout: a rank's query rows (here the last two of three documents' rows) over every
+    rank's keys and values, each query at its true position in its true document (cu_q over the local slots, cu_k
+    over all keys)."""
+    key_lengths = [400, 700, 300]
+    (_, k, v), cu_k = packed(key_lengths, 4, 128, torch.bfloat16, seed=8)
+    local = [300, 200]  # rows 100.. of document 1 and 100.. of document 2 live on this rank
+    q = torch.randn(sum(local), 4, 128, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
+    rows, _, cu_local = select(local, mode, seed=4)
+    q_pos = torch.cat([torch.arange(100, 400), torch.arange(100, 300)]).to("cuda", torch.int32)  # true positions
+    cu_q = torch.cat([cu_local[:1], cu_local]).contiguous()  # no local row in document 0
+    fns = (lambda a, b, c: ops.query_sparse_attention(a, b, c, q_pos, rows, cu_q, cu_k, impl="flash"),
+           lambda a, b, c: ref.query_sparse_attention(a, b, c, q_pos, rows, cu_q, cu_k))
+    out, grads, want, wgrads = run_both(*fns, [q, k, v], torch.bfloat16, seed=2)
+    check_all(out, grads, want, wgrads, torch.bfloat16, f"flash, fewer queries than keys [{mode}]")
+
+
+@pytest.mark.gpu
+@needs_flash
+def test_training_loss_curve_flash_equals_reference():
+    """A small LoGo model (head dim 128, packed documents, bf16 autocast) trained for a few steps on the
+    FlashAttention-4 ops and on the reference ops: the same per-step losses within bf16 tolerance (2%) and
+    thresholds at most two updates apart."""
+    from logo.config import AttentionConfig, ModelConfig
+    from logo.model import BudgetController, Transformer
+    steps, B, T = 8, 4, 1024
+    base = torch.randint(0, 500, (B, 64), generator=torch.Generator().manual_seed(0))
+    tokens = base.repeat(1, T // 64 + 1)[:, :T + 1].cuda()  # repeats beyond the window: global span pays
+    cu = torch.tensor([0, 300, 1024, 1500, 2048, 3072, 3500, 4096], dtype=torch.int32, device="cuda")
+    curves = {}
+    for backend in ("flash", "reference"):
+        torch.manual_seed(0)
+        attn = AttentionConfig(kind="logo", window=128, backend=backend, gamma=0.01, threshold_init=0.48)
+        model = Transformer(ModelConfig(dim=512, n_layers=4, n_heads=4, vocab_size=512, attention=attn)).cuda()
+        model.init_weights()
+        ctrl, opt, losses = BudgetController(model), torch.optim.AdamW(model.parameters(), lr=2e-3), []
+        for _ in range(steps):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(tokens[:, :-1], cu_seqlens=cu)
+            loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ctrl.accumulate(out.routing)
+            ctrl.step()
+            losses.append(loss.item())
+        curves[backend] = (losses, ctrl.thresholds().cpu())
+    (a, ta), (b, tb) = curves["flash"], curves["reference"]
+    assert a[-1] < a[0] - 1.0  # it learns
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= 0.02 * abs(y), (i, a, b)
+    assert torch.allclose(ta, tb, atol=2 * 0.01 + 1e-6), (ta, tb)

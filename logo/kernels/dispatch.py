@@ -73,7 +73,7 @@ def describe(backend: str, device: torch.device, dtype: torch.dtype = torch.bflo
         if not reason:
             return f"flash (FlashAttention-4 {flash.version()}; RoPE and ContextNorm kernels: Triton)"
         if backend == "flash":
-            raise ValueError(f"attention.backend=flash cannot run here: {reason}")
+            raise ValueError(f"FlashAttention-4 cannot run here: {reason}")
         return f"triton (FlashAttention-4 not used: {reason})"
     return "triton"
 

@@ -86,7 +86,7 @@ def attention_kernels(cfg: Config, device: torch.device) -> str:
         return dispatch.describe(cfg.model.attention.backend, device, torch.bfloat16 if bf16 else torch.float32,
                                  cfg.model.head_dim)
     except ValueError as e:
-        raise ConfigError(f"invalid config model.attention.backend={cfg.model.attention.backend!r}: {e}") from None
+        raise ConfigError(f"invalid config attention.backend={cfg.model.attention.backend!r}: {e}") from None
 
 
 def default_device(cfg: Config) -> torch.device:
