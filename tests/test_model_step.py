@@ -36,7 +36,8 @@ def test_model_step_cpu_smoke(tmp_path):
         assert ht["host_step_ms"] <= r["ms_max"] + 1e-3
     # lr 0 and quantile thresholds: the second step routes rho = 0.5 of the 128 rows, up to ties in the gates
     assert abs(rows[1]["realized_ratio"] - 0.5) <= 0.05, rows[1]["realized_ratio"]
-    assert "| kind | compile | ms/step |" in p.stdout and "| logo | off |" in p.stdout
+    assert "| kind | compile | backend | ms/step |" in p.stdout and "| logo | off | auto |" in p.stdout
+    assert all(r["backend"] == "auto" for r in rows)
     assert "ms from the step's start: host fwd" in p.stdout
 
 
@@ -97,8 +98,20 @@ def test_repeats_report_medians_and_paired_ratios():
     assert full["ms_median"] == 11.0 and full["median_run"]["repeat"] == 2 and full["vs_full"] == 1.0
     assert logo["ms_median"] == 19.5 and len(logo["ok"]) == 2 and logo["vs_full"] == pytest.approx(1.3)
     table = ms.table(rows, "small")
-    assert "| logo | on | 19.5 (13.0-26.0, 2/3 runs) |" in table and table.rstrip().endswith("| 1.30x |")
-    assert "| full | on | 11.0 (10.0-20.0, 3/3 runs) |" in table
+    assert "| logo | on | auto | 19.5 (13.0-26.0, 2/3 runs) |" in table and table.rstrip().endswith("| 1.30x |")
+    assert "| full | on | auto | 11.0 (10.0-20.0, 3/3 runs) |" in table
+
+
+def test_backends_pair_each_kind_with_full_of_the_same_backend():
+    """--backends: every (kind, backend) is a row of its own and "vs full" divides by full attention run with the
+    same attention backend in the same round."""
+    ms = _model_step_module()
+    rows = [{**_run("full", 0, 10.0), "backend": "triton"}, {**_run("full", 0, 8.0), "backend": "flash"},
+            {**_run("logo", 0, 11.0), "backend": "triton"}, {**_run("logo", 0, 9.0), "backend": "flash"}]
+    entries = {(e["kind"], e["backend"]): e for e in ms.summarize(rows)}
+    assert entries[("logo", "triton")]["vs_full"] == pytest.approx(1.1)
+    assert entries[("logo", "flash")]["vs_full"] == pytest.approx(9.0 / 8.0)
+    assert "| logo | on | flash | 9.0 |" in ms.table(rows, "small")
 
 
 def test_repeats_must_be_positive():

@@ -397,7 +397,7 @@ def test_logo_layer_triton_equals_reference():
     from logo.model.logo_attention import LoGoAttention
     D = HEAD_DIMS[0]
     outs = {}
-    for backend in ("triton", "reference"):
+    for backend in (backend, "reference"):
         torch.manual_seed(0)
         cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1,
                           attention=AttentionConfig(kind="logo", window=8, backend=backend, gate_init_std=0.5))
@@ -432,11 +432,19 @@ def test_full_size_on_gpu(dtype, D, dq_mode, monkeypatch):
     check_all(*res, dtype, "sliding_window 8k")
 
 
+def _flash_usable() -> bool:
+    from logo.kernels import flash
+    return CUDA and flash.usable(torch.device("cuda"), torch.bfloat16, 128)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="training with the kernels needs a GPU")
-def test_training_loss_curve_triton_equals_reference():
-    """A small LoGo model (head dim 128, packed documents, bf16 autocast) trained for a few steps with the Triton
-    kernels and with the reference ops: the same per-step losses within bf16 tolerance (2%)."""
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flash", marks=pytest.mark.skipif(
+    not _flash_usable(), reason="needs a Hopper GPU with flash-attn-4 installed"))])
+def test_training_loss_curve_equals_reference(backend):
+    """A small LoGo model (head dim 128, packed documents, bf16 autocast) trained for a few steps on the Triton
+    kernels (on FlashAttention-4's) and on the reference ops: the same per-step losses within bf16 tolerance (2%)
+    and thresholds at most two updates apart."""
     from logo.config import AttentionConfig, ModelConfig
     from logo.model import BudgetController, Transformer
     steps, B, T = 8, 4, 1024
@@ -445,9 +453,9 @@ def test_training_loss_curve_triton_equals_reference():
     tokens = base.repeat(1, T // 64 + 1)[:, :T + 1].cuda()  # repeats beyond the window: global span pays
     cu = torch.tensor([0, 300, 1024, 1500, 2048, 3072, 3500, 4096], dtype=torch.int32, device="cuda")
     curves = {}
-    for backend in ("triton", "reference"):
+    for name in (backend, "reference"):
         torch.manual_seed(0)
-        attn = AttentionConfig(kind="logo", window=128, backend=backend, gamma=0.01, threshold_init=0.48)
+        attn = AttentionConfig(kind="logo", window=128, backend=name, gamma=0.01, threshold_init=0.48)
         model = Transformer(ModelConfig(dim=512, n_layers=4, n_heads=4, vocab_size=512, attention=attn)).cuda()
         model.init_weights()
         ctrl = BudgetController(model)
@@ -463,8 +471,8 @@ def test_training_loss_curve_triton_equals_reference():
             ctrl.accumulate(out.routing)
             ctrl.step()
             losses.append(loss.item())
-        curves[backend] = (losses, ctrl.thresholds().cpu())
-    (a, ta), (b, tb) = curves["triton"], curves["reference"]
+        curves[name] = (losses, ctrl.thresholds().cpu())
+    (a, ta), (b, tb) = curves[backend], curves["reference"]
     assert a[-1] < a[0] - 1.0  # it learns
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) <= 0.02 * abs(y), (i, a, b)

@@ -1,17 +1,17 @@
 """FlashAttention-4 (the CuTe DSL kernels of `flash-attn-4`) behind `attn_forward` / `attn_backward`.
 
-Imported only on a Hopper GPU with the package installed (`logo.kernels.flash.available`). Three problems, the
+Imported only on a Hopper GPU with the package installed (`logo.kernels.flash.usable`). Three problems, the
 same contract as `logo.kernels.reference`:
 
 - query-sparse (rows given): the selected rows are gathered into slot order (the order of `rows`), one packed
   batch of all slots over all keys; each slot's key interval is the kernel's mask function, read from two index
   tensors, and the 128 x 128 tile lists skip every tile no slot sees (the unselected rows' tiles among them); both
   come from `_tiles.tile_plan` (two Triton launches; `blocks.py` is its PyTorch reference). Outputs and dQ are
-  scattered back to row order. FlashAttention-4's backward takes block sparsity only without varlen offsets, hence
+  gathered back to row order. FlashAttention-4's backward takes block sparsity only without varlen offsets, hence
   the one packed batch with the document bounds inside the intervals;
 - sliding window and dense causal (rows None): varlen attention over cu_seqlens, `window_size=(window - 1, 0)`
   for the window; dense causal over whole rows of `seqlen` tokens (seqlen > 0: no documents) as a (B, T) batch,
-  whose scheduler orders the causal tiles longest first (the varlen one does not: 1.4x slower at 8k tokens).
+  whose scheduler orders the causal tiles longest first (the varlen one does not; docs/benchmarks.md).
 
 Compiled kernels are kept on disk (FlashAttention-4's cache, `FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED`, on unless
 the environment sets it): a new process loads them instead of compiling again.
@@ -50,8 +50,8 @@ def _empty(*shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
 
 def _plan(q_pos, rows, cu_q, cu_k, n_keys: int, by_key: bool):
     """The slots' key intervals (padded to whole tiles: the mask function may read a tile's every row), each row's
-    slot (to gather outputs back to row order: a gather is ~3x faster than the scatter `index_copy_`) and the
-    block sparsity of the forward (per query tile) or of the backward (by_key: per key tile)."""
+    slot (outputs go back to row order by a gather, faster than the scatter `index_copy_`) and the block sparsity
+    of the forward (per query tile) or of the backward (by_key: per key tile)."""
     first, last, slot, (pc, pi, wc, wi) = _tiles.tile_plan(q_pos, rows, cu_q, cu_k, n_keys, by_key)
     tiles = (_tiles.blocks.TILE,) * 2
     return first, last, slot.long(), BlockSparseTensorsTorch(mask_block_cnt=pc, mask_block_idx=pi, full_block_cnt=wc,

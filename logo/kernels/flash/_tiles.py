@@ -1,6 +1,6 @@
 """Triton kernels for `blocks.slot_intervals` and `blocks.tile_lists` (same outputs; `blocks.py` is their
 reference): the slots' key intervals and the tile lists of FlashAttention-4's block sparsity in two launches, where
-the PyTorch version is ~50 small operations, a millisecond of host time per attention call.
+the PyTorch version is ~50 small operations, each with its own host time, on every attention call.
 
 - `_query_tiles_kernel`, one program per query tile of TILE slots: each slot's sequence (binary search over cu_q)
   and key interval, the tile's bounds (lowest / highest first and last of its live slots, whether all are live),
