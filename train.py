@@ -19,13 +19,47 @@ register_configs()
 log = logging.getLogger("logo")
 
 
+def composition_error(argv: list[str]) -> str:
+    """'' when the command line's overrides compose into a config, else Hydra's complaint as one line (an unknown
+    group option, key or malformed override). Hydra's own flags (--help, --cfg, -m, ...) are left to Hydra."""
+    if any(a.startswith("-") for a in argv):
+        return ""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from logo.config import ConfigError
+    from logo.train.config import compose
+    try:
+        compose(argv)
+    except ConfigError:
+        return ""  # composed; main() reports the invalid value in its own line
+    except (HydraException, OmegaConfBaseException) as e:
+        return "invalid config: " + hydra_message(e)
+    return ""
+
+
+def hydra_message(e: BaseException) -> str:
+    """Hydra's message in one line: its first line, a group's options on the same line, and the reason of the
+    OmegaConf error behind it (the key or value it rejected)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = lines[0].removeprefix("In 'config': ") if lines else type(e).__name__
+    if "Available options in" in str(e):
+        start = next(i for i, ln in enumerate(lines) if ln.startswith("Available options in"))
+        options = [ln for ln in lines[start + 1:] if not ln.startswith(("Config search path", "provider="))]
+        msg += f"; choose one of {', '.join(options)}"
+    cause = e.__cause__
+    if cause is not None and str(cause).strip():
+        msg = msg.rstrip(".") + f": {str(cause).strip().splitlines()[0]}"
+    return msg
+
+
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from data.format import DataError
     from logo.config import ConfigError
     from logo.train.checkpoint import CheckpointError
     from logo.train.config import to_dataclass
-    from logo.train.rundir import RunDirLocked
+    from logo.train.rundir import RunComplete, RunDirLocked
     from logo.train.trainer import TrainingDiverged, dry_run, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
@@ -39,9 +73,12 @@ def main(cfg: DictConfig) -> None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         conf = to_dataclass(cfg)
         if conf.dry_run:
-            dry_run(conf, resolved, attention_name)
+            launch_set = any(o.lstrip("+~").startswith("launch.") for o in HydraConfig.get().overrides.task)
+            dry_run(conf, resolved, attention_name, launch_set)
         else:
             train(conf, resolved, attention_name)
+    except RunComplete as e:  # a finished run launched again: nothing to do
+        print(e, file=sys.stderr)
     except (ConfigError, DataError, CheckpointError, TrainingDiverged, RunDirLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -52,4 +89,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    problem = composition_error(sys.argv[1:])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

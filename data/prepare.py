@@ -226,6 +226,11 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
               for s, w in writers.items()}
     if splits["train"]["num_tokens"] == 0:
         raise DataError(f"no training tokens: every document from {source} was empty or went to validation")
+    if splits["val"]["num_tokens"] == 0:
+        log.warning("the validation split is empty (%d documents read%s): training's eval.interval and `python -m "
+                    "logo.eval perplexity` need one; prepare again with a larger --val-fraction",
+                    sum(s["num_documents"] for s in splits.values()),
+                    f", every {val_every}th goes to validation" if val_every else ", --val-fraction 0")
     manifest = dict(format=FORMAT_VERSION, settings=settings, source=source,
                     tokenizer=dict(name=canonical_name(enc), fingerprint=tokenizer_fingerprint(enc),
                                    eos=enc.eot_token, vocab_size=enc.n_vocab),

@@ -198,9 +198,11 @@ class ModelConfig:
             if not isinstance(v, int) or v < 1:
                 _fail(f"model.{name}", v, "must be a positive integer")
         if self.dim % self.n_heads != 0:
-            _fail("model.n_heads", self.n_heads, f"model.dim={self.dim} is not divisible by the number of heads")
+            _fail("model.dim", self.dim, f"not divisible by model.n_heads={self.n_heads}: every head takes dim / n_heads "
+                                         f"channels")
         if self.head_dim % 2 != 0:
-            _fail("model.n_heads", self.n_heads, f"head_dim={self.head_dim} must be even for RoPE")
+            _fail("model.dim", self.dim, f"with model.n_heads={self.n_heads} each head has {self.head_dim} channels, "
+                                         f"which must be even for RoPE: choose a multiple of {2 * self.n_heads}")
         if self.rope_theta <= 0:
             _fail("model.rope_theta", self.rope_theta, "must be > 0")
         self.attention.validate(n_layers=self.n_layers, n_heads=self.n_heads)

@@ -63,13 +63,36 @@ def test_rho_one_is_allowed():
     (["attention.window=0"], "attention.window=0"),
     (["attention.kind=sparse"], "attention.kind='sparse'"),
     (["attention=nonexistent"], "attention/nonexistent"),
+    (["model=nonexistent"], "Could not find 'model/nonexistent'; choose one of 1.5b, 200m"),
+    (["train.nonexistent=3"], "Could not override 'train.nonexistent'"),
     (["stage.seq_len=abc"], "stage.seq_len"),
+    (["model.dim=100"], "invalid config model.dim=100: with model.n_heads=4 each head has 25 channels"),
 ])
 def test_cli_prints_one_clear_error(overrides, needle, tmp_path):
+    """Hydra's unknown options and keys too: one `error:` line, exit code 2, no traceback."""
     p = run_train(*overrides, "dry_run=true", f"run.dir={tmp_path}", check=False)
-    assert p.returncode != 0
-    assert needle in p.stderr
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], p.stderr[-2000:]
     assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_default_dry_run_plans_for_one_process(tmp_path):
+    """`python train.py dry_run=true` on the default config: planned for one process, and says why."""
+    p = run_train("dry_run=true", f"run.dir={tmp_path}")
+    assert "world size 1 (one process" in p.stdout and (tmp_path / "plan.json").exists()
+    p = run_train("dry_run=true", "launch.gpus_per_node=2", "stage.global_batch_tokens=2048", f"run.dir={tmp_path}")
+    assert "world size 2 (the SLURM resources of launch.* options" in p.stdout
+
+
+def test_unwritable_run_dir_is_one_line(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    p = run_train(*TINY_RUN, "train.steps=1", f"run.dir={blocked / 'run'}", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: invalid config run.dir='{blocked / 'run'}': it cannot be created or written "
+                      f"(NotADirectoryError: Not a directory); choose a writable directory"]
 
 
 def test_missing_init_checkpoint_is_named(tmp_path):

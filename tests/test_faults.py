@@ -2,15 +2,17 @@
 from a corrupt checkpoint or with a changed config. Each fault ends in one line or a clean exit, never a
 traceback, with the last complete checkpoint intact; a restart continues bitwise equal to the uninterrupted run
 (`sync_reference`, conftest.py). Faults in the writer come from tests/fault_entry.py (LOGO_FAULT)."""
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import (CKPT_ARGS, CKPT_STEPS, SLOW_BOX_TIMEOUT, logged, read_metrics, run_train, same_rows,
-                      start_fault_train, wait_for_train)
+from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, logged, read_metrics, run_train,
+                      same_rows, start_fault_train, wait_for_train)
 
 N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
 
@@ -81,7 +83,7 @@ def test_second_launch_into_the_same_run_dir_fails_naming_the_holder(sync_refere
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, N + 1))  # one writer: no interleaved lines
     same_rows(read_metrics(sync_reference), rows, range(1, N + 1))
     assert not (d / ".lock").read_text().strip()  # released on exit
-    run_train(*ARGS, "train.steps=6", f"run.dir={d}", timeout=T)  # the next launch takes it without a word
+    run_train(*ARGS, "train.steps=6", "run.extend=true", f"run.dir={d}", timeout=T)  # the next launch takes it
 
 
 @pytest.mark.parametrize("mode", ["none", "async_pinned"])
@@ -138,17 +140,129 @@ def test_free_space_check_fails_before_writing(tmp_path):
         subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
-def test_corrupt_latest_checkpoint_is_named(sync_reference, tmp_path):
-    d = tmp_path / "run"
-    shutil.copytree(sync_reference / "checkpoints" / "step_00000002", d / "checkpoints" / "step_00000002")
+def link_run(src: Path, dst: Path, steps=None) -> Path:
+    """A copy of the run directory `src` made of hard links (a test that damages a file breaks its link first),
+    with only the checkpoints of `steps` (all when None)."""
+    def keep(d, names):
+        if Path(d).name == "checkpoints" and steps is not None:
+            return [n for n in names if n not in {f"step_{s:08d}" for s in steps}]
+        return []
+    shutil.copytree(src, dst, copy_function=os.link, ignore=keep)
+    return dst
+
+
+def damage(f: Path, how: str) -> None:
+    """Damage a file without touching the original it may be linked to: 'overwrite' 1 MiB in place (size kept),
+    'truncate' to half, 'garbage' (a few bytes), 'remove'."""
+    data = f.read_bytes()
+    f.unlink()
+    if how == "overwrite":
+        mid = len(data) // 2
+        data = data[:mid] + bytes(b ^ 0xFF for b in data[mid:mid + (1 << 20)]) + data[mid + (1 << 20):]
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    elif how == "garbage":
+        data = b"garbage"
+    if how != "remove":
+        f.write_bytes(data)
+
+
+def snapshot(d: Path) -> dict:
+    """Every file of a directory tree and its bytes' sha256: what a refused launch must leave as it was."""
+    import hashlib
+    return {str(f.relative_to(d)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.rglob("*"))
+            if f.is_file()}
+
+
+def test_checkpoints_carry_digests_of_every_file(sync_reference):
+    import json
+    from logo.train.checkpoint import verify
+    for ck in sorted((sync_reference / "checkpoints").iterdir()):
+        files = json.loads((ck / "digests.json").read_text())["files"]
+        assert set(files) == {f.name for f in ck.iterdir() if f.name != "digests.json"} and "train_state.pt" in files
+        assert verify(ck) == ""
+
+
+@pytest.mark.parametrize("how", ["overwrite", "truncate", "remove"])
+def test_damaged_latest_checkpoint_resumes_from_the_one_before(sync_reference, tmp_path, how):
+    """The run stopped after step 4; its step-4 checkpoint is damaged afterwards (1 MiB overwritten in place,
+    truncated, a shard gone): the same command names the damaged file, resumes from step 2 and reproduces the
+    uninterrupted run's records bit for bit."""
+    d = link_run(sync_reference, tmp_path / "run", steps=(2, 4))
+    (d / "final_metrics.json").unlink()
+    ck = d / "checkpoints" / "step_00000004"
+    shard = max(ck.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    damage(shard, how)
+    p = run_train(*ARGS, f"run.dir={d}", timeout=T)
+    said = {"overwrite": "does not match its sha256", "truncate": "bytes, ", "remove": "is missing"}[how]
+    assert f"checkpoint {ck} is damaged: {shard.name}" in p.stderr and said in p.stderr, p.stderr[-3000:]
+    assert "resuming from" in p.stderr and "step_00000002" in p.stderr
+    same_rows(read_metrics(sync_reference), read_metrics(d), range(1, N + 1))
+
+
+def test_no_checkpoint_that_verifies_stops_in_one_line(sync_reference, tmp_path):
+    d = link_run(sync_reference, tmp_path / "run", steps=(2,))
+    (d / "final_metrics.json").unlink()
     ck = d / "checkpoints" / "step_00000002"
-    shard = next(ck.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated: a torn copy
+    damage(ck / "train_state.pt", "garbage")
+    before = snapshot(d)
     line = one_line_error(run_train(*ARGS, f"run.dir={d}", check=False, timeout=T))
-    assert f"could not load checkpoint {ck}" in line
-    (ck / "train_state.pt").write_bytes(b"garbage")
-    line = one_line_error(run_train(*ARGS, f"run.dir={d}", check=False, timeout=T))
-    assert f"checkpoint {ck} is corrupted: its train_state.pt cannot be read" in line
+    assert f"no checkpoint of {d / 'checkpoints'} verifies (step_00000002: train_state.pt has 7 bytes" in line
+    assert snapshot(d) == before
+
+
+def test_non_finite_weights_stop_the_resume(tmp_path):
+    """A checkpoint that verifies but holds NaN weights (saved from a diverged model) stops the load in one line."""
+    import torch
+    from logo.train.checkpoint import CheckpointError, Checkpointer
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.no_grad():
+        model.weight[1, 2] = float("nan")
+    ckpt = Checkpointer(tmp_path, keep=2)
+    ckpt.save(3, model, opt, {"step": 3})
+    ckpt.close()
+    fresh = torch.nn.Linear(4, 4)
+    with pytest.raises(CheckpointError, match=r"holds non-finite weights \(weight\): it was saved from a diverged run"):
+        Checkpointer(tmp_path, keep=2).load(ckpt.latest_verified(), fresh, torch.optim.AdamW(fresh.parameters()))
+
+
+def test_a_finished_run_stays_finished(sync_reference, tmp_path):
+    """Launched again as it was, a finished run says so and changes nothing; other steps, init_from, resume=false,
+    a missing data path are refused in one line naming the field, every file byte-identical; run.extend=true
+    trains it further."""
+    d = link_run(sync_reference, tmp_path / "run")
+    before = snapshot(d)
+    p = run_train(*ARGS, f"run.dir={d}", timeout=T)
+    assert f"run {d} is already complete (step {N} of {N}); nothing was changed" in p.stderr, p.stderr[-2000:]
+    assert snapshot(d) == before
+    for extra, needle in ((["train.steps=7"], "invalid config train.steps / stage.tokens: they plan 7 steps"),
+                          (["checkpoint.init_from=/tmp/nothing-here"], "invalid config checkpoint.init_from="),
+                          (["checkpoint.resume=false"], "invalid config checkpoint.resume=false"),
+                          (["data=shards", "data.path=/missing"], "invalid config data.path='/missing'")):
+        line = one_line_error(run_train(*ARGS, *extra, f"run.dir={d}", check=False, timeout=T))
+        assert needle in line, line
+        assert snapshot(d) == before, extra
+    p = run_train(*ARGS, "dry_run=true", f"run.dir={d}", timeout=T)
+    assert "plan.json not written" in p.stdout and snapshot(d) == before
+    run_train(*ARGS, f"train.steps={N + 1}", "run.extend=true", f"run.dir={d}", timeout=T)
+    assert [r["step"] for r in read_metrics(d) if "loss" in r][-1] == N + 1
+    assert json.loads((d / "final_metrics.json").read_text())["step"] == N + 1
+
+
+def test_empty_validation_split_warns_then_stops_the_run(tmp_path, default_corpus):
+    """A corpus prepared without a validation split warns at preparation; training with eval on it stops in one
+    line naming eval.interval (no `eval 0.0000 (ppl 1.00)`)."""
+    src = tmp_path / "docs.txt"
+    src.write_text("\n\n".join(f"document {i}: " + "some words " * 50 for i in range(20)))
+    prep = subprocess.run([sys.executable, "-m", "data.prepare", str(src), "--out", str(tmp_path / "corpus"),
+                           "--val-fraction", "0"], cwd=ROOT, capture_output=True, text=True, timeout=T)
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    assert "the validation split is empty" in prep.stderr
+    line = one_line_error(run_train(*TINY_RUN, "train.steps=2", "eval.interval=1", "data=shards",
+                                    f"data.path={tmp_path / 'corpus'}", f"run.dir={tmp_path / 'run'}", check=False,
+                                    timeout=T))
+    assert "invalid config eval.interval=1: the 'val' split of" in line and "has 0 tokens" in line
 
 
 def test_config_drift_on_resume_names_the_fields(sync_reference, tmp_path):

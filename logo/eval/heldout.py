@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from data.format import DataError
 from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
 
 
@@ -33,6 +34,11 @@ class HeldOutEval:
         if self.interval <= 0:
             return
         ds = ShardDataset(train_loader.ds.root, e.split, tokenizer=cfg.data.tokenizer)
+        if ds.num_tokens < 2:  # nothing to predict: an evaluation would read as loss 0, ppl 1
+            raise DataError(f"invalid config eval.interval={e.interval}: the {e.split!r} split of "
+                            f"{train_loader.ds.root} has {ds.num_tokens} tokens, nothing to evaluate on; prepare the "
+                            f"corpus with a validation split (python -m data.prepare ... --val-fraction F) or set "
+                            f"eval.interval=0")
         self.rank, self.world = rank, world
         self.micro = e.micro_batch or plan.micro_batch
         self.loader = TokenLoader(ds, plan.seq_len, self.micro * world, self.micro, rank, world,

@@ -89,3 +89,22 @@ def estimate(cfg, seq_len: int, micro_batch: int, dp: int, cp: int, tp: int) -> 
         fsdp_buffers=fsdp / GIB, activations=sum(per_layer) / GIB,
         activations_ac=(cfg.n_layers * 2 * d / tp * n + max(per_layer)) / GIB,
         logits=10 * V * n / GIB)
+
+
+def fit_hint(cfg, seq_len: int, micro_batch: int, dp: int, cp: int, tp: int, gb: int = 80) -> str:
+    """'' when the layout fits a `gb` GPU with activation checkpointing, else one line naming the smallest layout
+    that does: micro_batch 1, then context and tensor parallelism over more GPUs per sequence (cp x tp, tp <= 8 and
+    dividing the heads), with AC; or that none up to 64 GPUs per sequence does."""
+    if estimate(cfg, seq_len, micro_batch, dp, cp, tp).fits(gb, True):
+        return ""
+    for g in (cp * tp, 2, 4, 8, 16, 32, 64):
+        for tp_ in (1, 2, 4, 8):
+            cp_ = g // tp_
+            if g % tp_ or cp_ < 1 or cfg.n_heads % tp_ or seq_len % (2 * cp_) or g < cp * tp:
+                continue
+            est = estimate(cfg, seq_len, 1, dp, cp_, tp_)
+            if est.fits(gb, True):
+                return (f"hint: nothing fits a {gb} GB GPU as configured; with train.activation_checkpointing=true "
+                        f"train.micro_batch=1 parallel.cp={cp_} parallel.tp={tp_} ({g} GPUs per sequence, {g * dp} "
+                        f"for dp={dp}) the estimate is {est.total(True):.1f} GiB per GPU")
+    return f"hint: no layout of up to 64 GPUs per sequence fits a {gb} GB GPU: shorten stage.seq_len or the model"

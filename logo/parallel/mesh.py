@@ -26,6 +26,7 @@ class ParallelDims:
     cp: int
     tp: int
     mesh: Optional[DeviceMesh] = None
+    flat: Optional[DeviceMesh] = None  # the flattened (dp_shard, cp) mesh FSDP shards over, kept as flattened
 
     @staticmethod
     def sizes(world: int, tp: int, cp: int) -> "ParallelDims":
@@ -44,25 +45,30 @@ class ParallelDims:
         dims = ParallelDims.sizes(world, tp, cp)
         if world > 1:
             dims.mesh = init_device_mesh(device_type, (dims.dp, cp, tp), mesh_dim_names=("dp_shard", "cp", "tp"))
-            dims.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            dims.flat = dims.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return dims
 
     @property
     def world(self) -> int:
         return self.dp * self.cp * self.tp
 
+    def dim(self, name: str) -> DeviceMesh:
+        """The mesh of 'dp_shard', 'cp', 'tp' or 'dp_shard_cp' (the flattened one as built: slicing a flattened
+        dimension from the root mesh is deprecated). Needs the mesh (a distributed run)."""
+        return self.flat if name == "dp_shard_cp" else self.mesh[name]
+
     def submesh(self, name: str) -> Optional[DeviceMesh]:
         """'dp_shard', 'cp', 'tp' or 'dp_shard_cp' (FSDP), or None when that dimension is 1 (or no mesh)."""
-        if self.mesh is None or self.mesh[name].size() == 1:
+        if self.mesh is None or self.dim(name).size() == 1:
             return None
-        return self.mesh[name]
+        return self.dim(name)
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         m = self.submesh(name)
         return None if m is None else m.get_group()
 
     def rank(self, name: str) -> int:
-        return 0 if self.mesh is None else self.mesh[name].get_local_rank()
+        return 0 if self.mesh is None else self.dim(name).get_local_rank()
 
     @property
     def data_rank(self) -> int:

@@ -2,10 +2,14 @@
 
 <run_dir>/checkpoints/step_00000100/      model + optimizer shards (DCP), train_state.pt (rank 0: step,
                                           LR scheduler, data-loader state, RNG states, W&B run id),
-                                          MILESTONE (only in checkpoints kept out of the pruning)
+                                          MILESTONE (only in checkpoints kept out of the pruning),
+                                          digests.json (size and sha256 of every other file)
 A checkpoint is written to `step_N.tmp/`; once every rank's write has finished (DCP's future) rank 0 adds
-train_state.pt, fsyncs the files and the folder, renames it to `step_N/` and fsyncs `checkpoints/`;
-`latest()` only ever returns renamed directories. The last `keep` (plus the milestones) are kept.
+train_state.pt and digests.json, fsyncs the files and the folder, renames it to `step_N/` and fsyncs
+`checkpoints/`; `latest()` only ever returns renamed directories. The last `keep` (plus the milestones) are kept.
+Before anything is loaded the files are checked against digests.json (`verify`): `latest_verified()` and
+`resolve_checkpoint` pass over a damaged checkpoint to the newest one that verifies, saying so, and a
+checkpoint named explicitly must verify.
 
 `async_mode` (docs/training.md, "Checkpoints"):
   none          dcp.save: the loop waits for the whole write.
@@ -21,6 +25,7 @@ At most one save is in flight: a new save, `wait()` and `close()` first finish t
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
@@ -41,10 +46,13 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from data.format import file_sha256
+
 log = logging.getLogger("logo")
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAIN_STATE = "train_state.pt"
 MILESTONE = "MILESTONE"
+DIGESTS = "digests.json"
 ASYNC_MODES = ("none", "async", "async_pinned")
 
 
@@ -80,6 +88,83 @@ def fsync_dir(path: Path) -> None:
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _hash_files(files: list[Path]) -> dict:
+    """name -> sha256 of each file, several at once (hashlib releases the GIL on large reads)."""
+    if not files:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, len(files)), thread_name_prefix="ckpt-digest") as pool:
+        return dict(zip((f.name for f in files), pool.map(file_sha256, files)))
+
+
+def write_digests(folder: Path) -> None:
+    """digests.json: the size and sha256 of every other file of a checkpoint folder, written (and fsynced) last."""
+    files = sorted(f for f in Path(folder).iterdir() if f.is_file() and f.name != DIGESTS)
+    sha = _hash_files(files)
+    entries = {f.name: {"bytes": f.stat().st_size, "sha256": sha[f.name]} for f in files}
+    tmp = Path(folder) / (DIGESTS + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"algorithm": "sha256", "files": entries}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(folder) / DIGESTS)
+
+
+_verified: dict = {}  # (folder, digests.json's mtime_ns) -> the verdict of `verify`
+
+
+def verify(folder: Path) -> str:
+    """'' when every file listed in the folder's digests.json is there with its size and sha256 (a checkpoint
+    without digests.json, written by an older version, passes with a warning), else one line saying what does
+    not match. Remembered per folder and digests file, so a checkpoint is hashed once per process."""
+    folder = Path(folder)
+    digests = folder / DIGESTS
+    if not digests.exists():
+        log.warning("checkpoint %s has no %s (written by an older version): its files are not verified", folder,
+                    DIGESTS)
+        return ""
+    key = (str(folder.resolve()), digests.stat().st_mtime_ns)
+    if key not in _verified:
+        _verified[key] = _check_digests(folder, digests)
+    return _verified[key]
+
+
+def _check_digests(folder: Path, digests: Path) -> str:
+    try:
+        entries = json.loads(digests.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {DIGESTS} cannot be read ({type(e).__name__})"
+    present = []
+    for name, want in sorted(entries.items()):
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, {want['bytes']} were written"
+        present.append(f)
+    sha = _hash_files(present)
+    bad = next((name for name in sorted(sha) if sha[name] != entries[name]["sha256"]), None)
+    return f"{bad} does not match its sha256 (damaged after it was written)" if bad else ""
+
+
+def agreed(fn):
+    """fn() on rank 0, its result (or its CheckpointError) on every rank: one rank reads the files, all decide
+    alike."""
+    result, error = None, ""
+    if _rank() == 0:
+        try:
+            result = fn()
+        except CheckpointError as e:
+            error = str(e)
+    if _is_dist():
+        box = [result, error]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box
+    if error:
+        raise CheckpointError(error)
+    return result
 
 
 @dataclass
@@ -132,11 +217,21 @@ class Checkpointer:
         self._prev_bytes: Optional[int] = None  # size of the last checkpoint (free-space check)
         self.finished: list[SaveStats] = []  # saves completed since the trainer last took them (take_stats)
 
-    def latest(self) -> Optional[Path]:
+    def complete(self) -> list[Path]:
+        """The complete (renamed) checkpoints, oldest first."""
         if not self.dir.is_dir():
-            return None
-        steps = sorted(p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and is_complete(p))
-        return steps[-1] if steps else None
+            return []
+        return sorted(p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and is_complete(p))
+
+    def latest(self) -> Optional[Path]:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def latest_verified(self) -> Optional[Path]:
+        """The newest complete checkpoint whose files match their digests (None when there is no checkpoint);
+        each damaged one passed over is logged in one line. CheckpointError when none verifies. Rank 0 reads
+        the files; every rank gets its answer."""
+        return agreed(lambda: newest_verified(self.complete(), self.dir))
 
     @property
     def in_flight(self) -> bool:
@@ -290,13 +385,15 @@ class Checkpointer:
         self._publish(p)
 
     def _publish(self, p: _InFlight) -> None:
-        """train_state.pt, fsync of every file and the folder, rename to step_N, fsync of checkpoints/, prune."""
+        """train_state.pt, digests.json, fsync of every file and the folder, rename to step_N, fsync of
+        checkpoints/, prune."""
         with open(p.tmp / TRAIN_STATE, "wb") as f:
             f.write(p.train_state)
             f.flush()
             os.fsync(f.fileno())
         if p.milestone:
             (p.tmp / MILESTONE).write_text(f"{p.step}\n")
+        write_digests(p.tmp)
         for f in p.tmp.iterdir():  # DCP fsyncs its own files; this also covers ours and any writer's
             if f.is_file():
                 fd = os.open(f, os.O_RDONLY)
@@ -366,12 +463,14 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, model, optimizer) -> dict:
-        """Restore model, optimizer and return the train state of a complete checkpoint."""
-        path = resolve_checkpoint(path)
+        """Restore model, optimizer and return the train state of a complete checkpoint that verified
+        (`latest_verified`); CheckpointError when a loaded weight is not finite."""
+        path = resolve_checkpoint(path, verify_files=False)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         _dcp_load(state, path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        check_finite(model, path)
         return read_train_state(path)
 
 
@@ -385,26 +484,74 @@ def read_train_state(path: Path) -> dict:
 
 
 def load_model_only(path: Path, model) -> None:
-    """Model weights and buffers (LoGo thresholds included) of a checkpoint; for context-extension stages."""
-    path = resolve_checkpoint(path)
+    """Model weights and buffers (LoGo thresholds included) of a checkpoint that verified (`resolve_checkpoint`);
+    for context-extension stages."""
+    path = resolve_checkpoint(path, verify_files=False)
     state = {"model": get_model_state_dict(model)}
     _dcp_load(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    check_finite(model, path)
 
 
-def resolve_checkpoint(path) -> Path:
-    """A complete checkpoint folder from a checkpoint path or a run directory (its latest); CheckpointError else."""
+def check_finite(model, path: Path) -> None:
+    """CheckpointError (on every rank) when a loaded floating-point weight or buffer is not finite."""
+    bad = [name for name, t in model.state_dict().items()
+           if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())]
+    flag = torch.tensor([1.0 if bad else 0.0], device=_device_of(model))
+    if _is_dist():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if bad or float(flag.max()):
+        names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "") if bad else \
+            "on another rank"
+        raise CheckpointError(f"checkpoint {path} holds non-finite weights ({names}): it was saved from a diverged "
+                              f"run; move it out of {path.parent} to resume from the checkpoint before it")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _device_of(model) -> torch.device:
+    return next((_local(p).device for p in model.parameters()), torch.device("cpu"))
+
+
+def newest_verified(candidates: list[Path], where) -> Path:
+    """The newest of `candidates` (oldest first) that verifies, each one passed over logged in one line;
+    None without candidates; CheckpointError when none verifies."""
+    failures = []
+    for path in reversed(candidates):
+        why = verify(path)
+        if not why:
+            if failures:
+                log.warning("resuming from %s, the newest checkpoint that verifies", path)
+            return path
+        failures.append(f"{path.name}: {why}")
+        log.warning("checkpoint %s is damaged: %s; trying the one before it", path, why)
+    if failures:
+        raise CheckpointError(f"no checkpoint of {where} verifies ({'; '.join(failures)}): restore its files, or "
+                              f"start a new run with run.dir=NEW_DIR")
+    return None
+
+
+def resolve_checkpoint(path, verify_files: bool = True) -> Path:
+    """A complete checkpoint folder from a checkpoint path or a run directory (its newest checkpoint that
+    verifies); CheckpointError else. A checkpoint folder named explicitly must verify."""
     path = Path(path)
-    if path.is_dir() and (path / "checkpoints").is_dir():  # a run directory: take its latest checkpoint
-        latest = Checkpointer(path, 1).latest()
-        if latest is None:
+    if path.is_dir() and (path / "checkpoints").is_dir():  # a run directory: take its newest good checkpoint
+        run = Checkpointer(path, 1)
+        done = run.complete()
+        if not done:
             raise CheckpointError(f"run directory {path} has no complete checkpoint")
-        path = latest
+        return newest_verified(done, path) if verify_files else done[-1]
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):
         raise CheckpointError(f"checkpoint {path} is not a complete checkpoint (it lacks {TRAIN_STATE} or "
                               f".metadata); pass a run directory or one of its checkpoints/step_* folders")
+    why = verify(path) if verify_files else ""
+    if why:
+        raise CheckpointError(f"checkpoint {path} is damaged: {why}; pass its run directory to take the newest "
+                              f"checkpoint that verifies")
     return path
 
 

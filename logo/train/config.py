@@ -150,6 +150,9 @@ class RunConfig:
     # the run directory's lock (logo/train/rundir.py): on filesystems without fcntl locks, a holder whose heartbeat
     # is older than this is taken to be dead
     lock_stale_minutes: float = 10.0
+    # train a finished run further (a larger train.steps or token budget than it completed): resumes from its last
+    # checkpoint with the learning-rate schedule stretched to the new length; without it a finished run stays finished
+    extend: bool = False
 
 
 @dataclass

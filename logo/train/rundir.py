@@ -8,7 +8,8 @@ this same SLURM job (a requeue), or whose heartbeat is older than `stale_after_s
 warning. A live holder makes a second launch fail at once with one line naming it.
 
 `config_drift`: the fields of the resolved config that change the model or the data order, compared with the
-checkpoint's own copy before anything is loaded.
+checkpoint's own copy before anything is loaded. `check_prior_run`: what a launch into a directory that already
+holds a run may do (resume an unfinished run; a finished one stays finished unless it is extended).
 """
 from __future__ import annotations
 
@@ -38,6 +39,40 @@ RESUME_MAY_CHANGE = ("train.steps", "train.micro_batch", "train.compile", "train
 
 class RunDirLocked(RuntimeError):
     """Another live process writes to this run directory."""
+
+
+class RunComplete(Exception):
+    """The run directory holds a finished run and nothing asks to train it further: not an error, nothing to do."""
+
+
+def check_prior_run(state: dict, latest: Path, init_from: str, extend: bool, plan_steps: int, run_dir: Path) -> None:
+    """Before anything is written: the run's latest checkpoint's train state against this launch. init_from
+    starts a new run, so it must be the run's own; a finished run (its step reached its own planned steps) raises
+    RunComplete when launched again as it was, and refuses other planned steps unless `extend` (run.extend)."""
+    from logo.config import ConfigError
+    saved = state.get("config") or {}
+    own_init = (saved.get("checkpoint") or {}).get("init_from", "")
+    if init_from != own_init:
+        began = f"started from {own_init}" if own_init else "started from scratch"
+        raise ConfigError(f"invalid config checkpoint.init_from={init_from!r}: {run_dir} already holds a run ({began}, "
+                          f"latest checkpoint {latest.name}) and init_from only starts a new one: choose a new run.dir "
+                          f"(or run.name), or set checkpoint.init_from={own_init!r} to resume it")
+    step, own_steps = int(state["step"]), (state.get("plan") or {}).get("steps")
+    if own_steps is None or step < own_steps:
+        return  # unfinished: resume
+    where = f"results in {run_dir} (final_metrics.json, metrics.jsonl, checkpoints/{latest.name})"
+    if not extend:
+        if plan_steps == own_steps:
+            raise RunComplete(f"run {run_dir} is already complete (step {step} of {own_steps}); nothing was changed; "
+                              f"{where}. To train it further: train.steps=N run.extend=true; to start over: "
+                              f"run.dir=NEW_DIR")
+        raise ConfigError(f"invalid config train.steps / stage.tokens: they plan {plan_steps} steps, but the finished "
+                          f"run in {run_dir} planned {own_steps} and completed them; to train it further set "
+                          f"run.extend=true (the learning-rate schedule is stretched to the new length), to start over "
+                          f"choose a new run.dir; {where}")
+    if plan_steps <= step:
+        raise ConfigError(f"invalid config run.extend=true: the run in {run_dir} has already trained {step} steps and "
+                          f"this launch plans {plan_steps}; set train.steps above {step}")
 
 
 def _holder_info() -> dict:

@@ -95,7 +95,7 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
     from torchtitan.distributed.utils import clip_grad_norm_
     micro = data.micro_batches
     ranks = dims.dp * dims.cp if dims is not None else world
-    group = dims.mesh["dp_shard_cp"].get_group() if dims is not None and dims.mesh is not None else None
+    group = dims.dim("dp_shard_cp").get_group() if dims is not None and dims.mesh is not None else None
     dp = ranks if sharded else 1
     n_micro = len(micro) * ranks
     loss_sum = torch.zeros((), device=device)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from data.format import DataError, atomic_write_json
 from data.loader import ShardDataset, TokenLoader
 from data.prefetch import StepLoader
 from logo.config import ConfigError
@@ -34,11 +35,12 @@ from logo.model import BudgetController, Transformer
 from logo.model.flops import mfu, peak_bf16_flops, realized_ratios
 from logo.model.lm_head import resolve_loss_impl
 from logo.parallel import ParallelDims, parallelize
-from logo.train.checkpoint import CheckpointError, Checkpointer, load_model_only, read_train_state, resolve_checkpoint
+from logo.train.checkpoint import (CheckpointError, Checkpointer, agreed, load_model_only, read_train_state,
+                                   resolve_checkpoint)
 from logo.train.config import Config
 from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
 from logo.train.plan import Plan, make_plan
-from logo.train.rundir import RunLock, config_drift
+from logo.train.rundir import RunLock, check_prior_run, config_drift
 from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
                              read_back, spread, train_step)
 
@@ -217,11 +219,12 @@ def _threshold_spread(ctrl: BudgetController) -> float:
 
 
 def check_init_from(cfg: Config):
-    """checkpoint.init_from, checked before anything is built: a complete checkpoint, or 'hf:DIR' whose
-    config.json matches the model's shape (one-line errors otherwise)."""
+    """checkpoint.init_from, checked before anything is built: a complete checkpoint that verifies (of a run
+    directory: its newest that does), or 'hf:DIR' whose config.json matches the model's shape (one-line errors
+    otherwise). Rank 0 reads the files; every rank gets its answer."""
     hf_dir = strip_prefix(cfg.checkpoint.init_from)
     if hf_dir is None:
-        return resolve_checkpoint(cfg.checkpoint.init_from)
+        return agreed(lambda: resolve_checkpoint(cfg.checkpoint.init_from))
     check_compatible(read_config(hf_dir), cfg.model, hf_dir)
     return cfg.checkpoint.init_from
 
@@ -250,6 +253,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
                           "the blocks need one device (FSDP and tensor parallelism communicate inside them); use "
                           "train.compile_mode=default")
     plan = make_plan(cfg, world, attention_name, device)
+    check_data(cfg)
     lock = _lock_run_dir(Path(plan.run_dir), rank, world, cfg.run.lock_stale_minutes)
     try:
         return _train(cfg, resolved, plan, device, rank, world, loss_impl, on_step_end, save_final)
@@ -259,27 +263,50 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
 
 
 def _lock_run_dir(run_dir: Path, rank: int, world: int, stale_minutes: float):
-    """Rank 0 takes the run directory's lock before anything is written there; every rank fails together."""
+    """Rank 0 takes the run directory's lock before anything is written there; every rank fails together (a
+    directory that cannot be created or written: one line naming run.dir)."""
     from logo.train.rundir import RunDirLocked
-    lock, msg = None, ""
+    lock, err = None, None
     if rank == 0:
         try:
-            lock = RunLock(run_dir, 60 * stale_minutes).acquire()
-        except RunDirLocked as e:
-            msg = str(e)
+            lock = take_run_dir(run_dir, stale_minutes)
+        except (RunDirLocked, ConfigError) as e:
+            err = (type(e).__name__, str(e))
     if world > 1:
-        box = [msg]
+        box = [err]
         dist.broadcast_object_list(box, src=0)
-        msg = box[0]
-    if msg:
-        raise RunDirLocked(msg)
+        err = box[0]
+    if err:
+        raise (RunDirLocked if err[0] == "RunDirLocked" else ConfigError)(err[1])
     return lock
 
 
-def _check_resume(latest: Path, resolved: dict, run_dir: Path) -> None:
+def take_run_dir(run_dir: Path, stale_minutes: float) -> RunLock:
+    """The run directory's lock; ConfigError naming run.dir when the directory cannot be created or written."""
+    try:
+        return RunLock(run_dir, 60 * stale_minutes).acquire()
+    except OSError as e:
+        raise ConfigError(f"invalid config run.dir={str(run_dir)!r}: it cannot be created or written "
+                          f"({type(e).__name__}: {e.strerror or e}); choose a writable directory") from None
+
+
+def check_data(cfg: Config) -> None:
+    """Before the run directory is touched: a prepared corpus where data=shards points (one-line DataError)."""
+    if cfg.data.kind == "shards":
+        from data.format import read_manifest
+        if not cfg.data.path:
+            raise ConfigError("invalid config data.path='': data=shards needs data.path=DIR, a corpus prepared with "
+                              "python -m data.prepare")
+        try:
+            read_manifest(Path(cfg.data.path))
+        except DataError as e:
+            raise DataError(f"invalid config data.path={cfg.data.path!r}: {e}") from None
+
+
+def _check_resume(state: dict, latest: Path, resolved: dict, run_dir: Path) -> None:
     """Before anything is built: the checkpoint's config (or the run's config.yaml) must equal this one in
     every field that changes the model or the data order."""
-    saved = read_train_state(latest).get("config")
+    saved = state.get("config")
     if saved is None and (run_dir / "config.yaml").exists():
         saved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
     diffs = config_drift(saved, resolved) if saved is not None else []
@@ -287,6 +314,19 @@ def _check_resume(latest: Path, resolved: dict, run_dir: Path) -> None:
         raise ConfigError(f"config drift on resume from {latest}: {'; '.join(diffs)}. These change the model or the "
                           f"data order of the checkpointed run: restore them, or start a fresh run directory "
                           f"(run.dir=NEW_DIR or run.name=NEW_NAME)")
+
+
+def _prior_checkpoint(cfg: Config, ckpt: Checkpointer, run_dir: Path):
+    """The checkpoint this launch resumes from: the run directory's newest that verifies (damaged ones are passed
+    over, saying so), None for a new run. checkpoint.resume=false into a directory that holds checkpoints would
+    mix two runs' files: refused."""
+    if cfg.checkpoint.resume:
+        return ckpt.latest_verified()
+    if ckpt.complete():
+        raise ConfigError(f"invalid config checkpoint.resume=false: {run_dir} already holds a run (latest checkpoint "
+                          f"{ckpt.latest().name}); starting over there would mix two runs' files: choose a new run.dir "
+                          f"(or run.name), or resume it (checkpoint.resume=true)")
+    return None
 
 
 def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: int, world: int, loss_impl: str,
@@ -297,10 +337,12 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     ck = cfg.checkpoint
     ckpt = Checkpointer(run_dir, ck.keep, ck.async_mode, ck.writer_threads,
                         dist.new_group(backend="gloo") if world > 1 and ck.async_mode != "none" else None)
-    latest = ckpt.latest() if cfg.checkpoint.resume else None
+    latest = _prior_checkpoint(cfg, ckpt, run_dir)
     init_from = check_init_from(cfg) if cfg.checkpoint.init_from and latest is None else None
     if latest is not None:
-        _check_resume(latest, resolved, run_dir)
+        state = read_train_state(latest)
+        _check_resume(state, latest, resolved, run_dir)
+        check_prior_run(state, latest, ck.init_from, cfg.run.extend, plan.steps, run_dir)
     if rank == 0:
         plan.write(run_dir)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
@@ -324,7 +366,7 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     opt = make_optimizer(model, plan.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, cfg.train.weight_decay)
     sched = _lr_scheduler(opt, plan)
     loader = _build_data(cfg, plan, rank, world, device, dims)
-    dp_cp_group = dims.mesh["dp_shard_cp"].get_group() if dims.mesh is not None else None
+    dp_cp_group = dims.dim("dp_shard_cp").get_group() if dims.mesh is not None else None
     # eval.interval=0: does nothing; context-parallel ranks each evaluate whole sequences (no CP at eval)
     heldout = HeldOutEval(cfg, plan, loader.loader, dims.data_rank, dims.dp, device,
                           group=dims.mesh["dp_shard"].get_group() if dims.mesh is not None else None)
@@ -371,7 +413,7 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
         gc.collect()
         gc.disable()
     last_save = time.monotonic()
-    start_step = step
+    start_step, t_start = step, time.monotonic()
     try:
         while step < plan.steps:
             with phase("data"):
@@ -406,7 +448,7 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
             if log_now or save_now:  # the only host syncs of the loop: loss, grad norm, divergence state
                 with phase("sync"):
                     loss, grad_norm, diverged = read_back(out, monitor)
-                DivergenceMonitor.check(diverged, ckpt.latest)  # before any checkpoint of a skipped step
+                DivergenceMonitor.check(diverged, lambda: _last_good(ckpt))  # before any save of a skipped step
             if save_now:
                 with phase("checkpoint"):
                     gc.collect()
@@ -440,13 +482,38 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
         loader.close()
         if bar is not None:
             bar.close()
+        heatmap = None
         if metrics_log is not None:
             if step:
-                metrics_log.heatmap(step)
+                heatmap = metrics_log.heatmap(step)
             metrics_log.close()
+    if rank == 0 and last:  # a launch that logged nothing leaves the earlier final metrics as they are
+        atomic_write_json(run_dir / "final_metrics.json", {"step": step, **last})
     if rank == 0:
-        (run_dir / "final_metrics.json").write_text(json.dumps({"step": step, **last}, indent=1))
+        print(summary_line(run_dir, step, plan.steps, time.monotonic() - t_start, start_step, plan, last,
+                           ckpt.latest(), heatmap), flush=True)
     return {"step": step, **last}
+
+
+def summary_line(run_dir: Path, step: int, steps: int, seconds: float, start_step: int, plan: Plan, last: dict,
+                 checkpoint, heatmap) -> str:
+    """The console's last line: how far the run got, how fast, and where its results are."""
+    done = step - start_step
+    tok_s = done * plan.global_batch_tokens / seconds if seconds > 0 else 0.0
+    loss = f", loss {last['loss']:.4f}" if "loss" in last else ""
+    files = ["metrics.jsonl"] + (["final_metrics.json"] if last else []) + \
+        ([heatmap.name] if heatmap is not None else []) + ([f"checkpoints/{checkpoint.name}"] if checkpoint else [])
+    state = "done" if step >= steps else "stopped"
+    return (f"{state}: step {step} of {steps} ({done} this launch in {seconds:.0f} s, {tok_s / 1e3:.1f}k tok/s{loss}); "
+            f"results in {run_dir}: {', '.join(files)}")
+
+
+def _last_good(ckpt: Checkpointer):
+    """The newest checkpoint that verifies, or None (for the divergence message)."""
+    try:
+        return ckpt.latest_verified()
+    except CheckpointError:
+        return None
 
 
 def _milestone(step: int, batch_tokens: int, every: int) -> bool:
@@ -491,24 +558,43 @@ def _log_step(step: int, plan: Plan, model_cfg, loss: float, grad_norm: float, l
     return m
 
 
-def dry_run(cfg: Config, resolved: dict, attention_name: str = "") -> Plan:
-    """Build the model on the meta device, print the plan, the mesh and the per-GPU memory estimate, and write
-    <run_dir>/plan.json. No training. World size: $WORLD_SIZE under torchrun, else the run's SLURM resources
-    (launch.nodes x processes per node)."""
-    from logo.parallel.memory import estimate
+def dry_world(cfg: Config, launch_set: bool) -> tuple[int, str]:
+    """(world size, why) a dry run plans for: $WORLD_SIZE under torchrun; the SLURM resources of an experiment
+    preset or of launch.* options on the command line (launch.nodes x processes per node); else one process."""
     la = cfg.launch
-    world = int(os.environ.get("WORLD_SIZE", "0")) or la.nodes * (la.procs_per_node or la.gpus_per_node or 1)
+    if int(os.environ.get("WORLD_SIZE", "0")):
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE of this torchrun launch"
+    if cfg.experiment or launch_set:
+        n = la.nodes * (la.procs_per_node or la.gpus_per_node or 1)
+        src = f"experiment {cfg.experiment}" if cfg.experiment and not launch_set else "launch.* options"
+        return n, f"the SLURM resources of {src}: launch.nodes={la.nodes} x {la.procs_per_node or la.gpus_per_node or 1}"
+    return 1, "one process (no experiment preset or launch.* option; set launch.nodes / launch.gpus_per_node, or run " \
+              "under torchrun, to plan for more)"
+
+
+def dry_run(cfg: Config, resolved: dict, attention_name: str = "", launch_set: bool = False) -> Plan:
+    """Build the model on the meta device, print the plan, the mesh and the per-GPU memory estimate, and write
+    <run_dir>/plan.json (not into a directory that holds a run's checkpoints). No training. World size:
+    `dry_world`."""
+    from logo.parallel.memory import estimate, fit_hint
+    world, why = dry_world(cfg, launch_set)
     plan = make_plan(cfg, world, attention_name)
     if int(os.environ.get("RANK", "0")) == 0:
         run_dir = Path(plan.run_dir)
-        lock = RunLock(run_dir, 60 * cfg.run.lock_stale_minutes).acquire()  # not over a live run's files
+        lock = take_run_dir(run_dir, cfg.run.lock_stale_minutes)  # not over a live run's files
         try:
-            plan.write(run_dir)
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+            held = Checkpointer(run_dir, 1).latest()
+            if held is None:
+                plan.write(run_dir)
+                (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         finally:
             lock.release()
         mem = estimate(cfg.model, plan.seq_len, plan.micro_batch, plan.dp, plan.cp, plan.tp)
         ac = "on" if cfg.train.activation_checkpointing else "off"
-        print(f"dry run: {plan.run_name}\n{plan.table()}\nper-GPU memory estimate (activation checkpointing is "
-              f"{ac} in this config; logo/parallel/memory.py):\n{mem.table()}\nwrote {run_dir / 'plan.json'}")
+        wrote = (f"wrote {run_dir / 'plan.json'}" if held is None else
+                 f"plan.json not written: {run_dir} holds a run (latest checkpoint {held.name}) whose files stay")
+        hint = fit_hint(cfg.model, plan.seq_len, plan.micro_batch, plan.dp, plan.cp, plan.tp)
+        print(f"dry run: {plan.run_name}, world size {world} ({why})\n{plan.table()}\nper-GPU memory estimate "
+              f"(activation checkpointing is {ac} in this config; logo/parallel/memory.py):\n{mem.table()}\n"
+              + (f"{hint}\n" if hint else "") + wrote)
     return plan
