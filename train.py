@@ -8,7 +8,6 @@ See README.md and docs/training.md.
 """
 import logging
 import sys
-import warnings
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -65,8 +64,6 @@ def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         force=True)
     logging.getLogger("logo").disabled = False  # created at import time, before Hydra set up logging
-    # DCP warns on every save/load in a single process; that is the intended use here.
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     from hydra.core.hydra_config import HydraConfig
     attention_name = HydraConfig.get().runtime.choices.get("attention", "")
     try:

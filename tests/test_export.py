@@ -6,7 +6,11 @@ logits equal the native model's within 1e-4 on random tokens longer than the win
 same tokens (ties within 1e-6 of a threshold excluded). Import back is exact (thresholds included).
 """
 import json
+import os
+import re
 import shutil
+import stat
+import warnings
 
 import pytest
 import torch
@@ -18,7 +22,9 @@ pytest.importorskip("safetensors")
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import logo  # noqa: E402
+from conftest import ROOT  # noqa: E402
 from logo.export import ExportError, export  # noqa: E402
+from logo.export.__main__ import main as export_main  # noqa: E402
 from logo.export.reader import load_into  # noqa: E402
 from logo.model import Transformer  # noqa: E402
 from logo.train.checkpoint import Checkpointer  # noqa: E402
@@ -219,6 +225,110 @@ def test_bad_inputs(tmp_path):
         with pytest.raises(ExportError) as e:
             load_into(Transformer(compose([*SMALL, "attention=logo"])[0].model), bad, strict=False)
         assert want in _one_line(e)
+
+
+# --- what the user sees: file modes, warnings, progress, the summary line ----------------------------------------
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_export_gets_the_umask_permissions(tmp_path, umask, file_mode, dir_mode):
+    """Written to a temporary folder and renamed into place, the export has the modes the umask gives new files
+    and folders (the weights included), also when it replaces an earlier export."""
+    make_run(tmp_path / "run", "logo")
+    old = os.umask(umask)
+    try:
+        for _ in range(2):
+            out = export(tmp_path / "run", tmp_path / "hf", force=True)
+            assert stat.S_IMODE(os.stat(out).st_mode) == dir_mode
+            modes = {f.name: stat.S_IMODE(os.stat(f).st_mode) for f in out.iterdir()}
+            assert "model.safetensors" in modes and set(modes.values()) == {file_mode}, modes
+    finally:
+        os.umask(old)
+
+
+def test_cli_export_warns_nothing_and_ends_with_a_summary(tmp_path, capsys):
+    """No warning of any kind during `python -m logo.export`; stdout is one line naming the source, the folder,
+    its files and size, the weights and the seconds taken."""
+    make_run(tmp_path / "run", "logo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    out = capsys.readouterr().out
+    line = (rf"exported {re.escape(str(tmp_path / 'run'))} -> {re.escape(str(tmp_path / 'hf'))}: 7 files, "
+            rf"[\d.]+ MiB \(weights model\.safetensors, bf16, [\d.]+ KiB\) in [\d.]+ s\n")
+    assert re.fullmatch(line, out), out
+
+
+def _run_with_terminal_stderr(cmd, env) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `cmd` whose stderr is a 120-column terminal (a pseudo-terminal)."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=slave, env=env, cwd=ROOT)
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    out = p.stdout.read().decode()
+    return p.wait(timeout=300), out, err.decode(errors="replace")
+
+
+def test_cli_progress_bar_on_a_terminal_only(tmp_path):
+    """On a terminal, a bar on stderr counts the weights written up to their size; with stderr piped, no bar
+    unless --progress asks for it. Stdout is the one summary line, stderr has no warning."""
+    import subprocess
+    import sys
+
+    from tqdm import tqdm
+    make_run(tmp_path / "run", "logo")
+    cmd = [sys.executable, "-m", "logo.export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]
+    env = {**os.environ, "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1"}  # draw every update, the last one too
+    code, out, err = _run_with_terminal_stderr(cmd, env)
+    assert code == 0 and out.startswith("exported ") and out.count("\n") == 1, err
+    assert "writing weights" in err and "model.safetensors" in err and "Warning" not in err, err
+    weights = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    tensor_bytes = tqdm.format_sizeof(len(weights) - 8 - int.from_bytes(weights[:8], "little"), divisor=1024)
+    assert "100%" in err and f"{tensor_bytes}/{tensor_bytes}" in err, err
+    p = subprocess.run([*cmd, "--force"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert p.returncode == 0 and p.stdout.startswith("exported ") and p.stdout.count("\n") == 1
+    assert "writing weights" not in p.stderr and "Warning" not in p.stderr, p.stderr
+    p = subprocess.run([*cmd, "--force", "--progress"], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0 and "writing weights" in p.stderr and "100%" in p.stderr, p.stderr
+
+
+def test_weights_written_in_shards_read_back_exactly(tmp_path, monkeypatch):
+    """Shards past the size limit, with their index, hold every tensor bit for bit (bf16, fp32, empty, 0-dim)."""
+    from safetensors import safe_open
+
+    from logo.export import writer
+    from logo.export.reader import read_weights
+    torch.manual_seed(0)
+    state = {"a.weight": torch.randn(64, 32, dtype=torch.bfloat16), "b.weight": torch.randn(128, 16),
+             "c.bias": torch.randn(7, dtype=torch.bfloat16), "d.empty": torch.zeros(0, 4),
+             "e.scalar": torch.tensor(3.5)}
+    monkeypatch.setattr(writer, "MAX_SHARD", 5000)
+    writer.write_weights(tmp_path, state)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    back = read_weights(tmp_path)
+    assert back.keys() == state.keys()
+    for name, t in state.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+    with safe_open(str(tmp_path / index["weight_map"]["a.weight"]), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
 
 
 # --- through train.py and the CLI ------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 are incomplete / stopped / resumed are handled as documented, evaluation files land in the paper's columns, and
 every family's layout (stages, baselines, ablation components, seed-noise verdicts) comes out right."""
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -142,10 +144,31 @@ EVALS = {
 }
 
 
+def md_headers(path) -> list[str]:
+    """The column headers of a Markdown table file."""
+    return [h.strip() for h in path.read_text().splitlines()[0].strip("|").split("|")]
+
+
+def test_perplexity_dataset_path_names_its_column(tmp_path, capsys):
+    """`python -m logo.eval perplexity` records the corpus folder: the column is named by the folder, and the
+    embedded corpus (a folder named by a hash) is "default_corpus"."""
+    for name, dataset in (("shards", "/data/fineweb-edu/"), ("default", "/cache/logo/default_corpus/087dc862fd1118")):
+        result = {**EVALS["perplexity"], "dataset": dataset}
+        make_run(tmp_path / name, "run", losses=[2.0], evals={"perplexity": result})
+    for name, column in (("shards", "fineweb-edu ppl"), ("default", "default_corpus ppl")):
+        code, _, _ = report(tmp_path / name, "--out", tmp_path / f"out-{name}", capsys=capsys)
+        headers = md_headers(tmp_path / f"out-{name}" / "table_pretrain_8k.md")
+        assert code == 0 and column in headers and len(headers) == len(set(headers)), headers
+
+
 def test_eval_results_land_in_the_paper_columns(tmp_path, capsys):
+    """Held-out loss / ppl are the training loop's (logged with a training step); the record that
+    `python -m logo.eval perplexity` appends is the ppl/<dataset> column, not a second held-out column."""
     run = make_run(tmp_path, "logo", losses=[2.2, 2.1], kind="logo", evals=EVALS, ratios=[0.4, 0.6])
-    with open(run / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 2, "eval/loss": 2.25, "eval/ppl": 9.49}) + "\n")
+    records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    records[-1].update({"eval/loss": 2.25, "eval/ppl": 9.49})
+    records.append({"step": 2, "eval/loss": 2.3, "eval/ppl": 9.97, "eval/ppl_by_position/0-1024": 12.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (run / "eval" / "mystery.json").write_text(json.dumps({"kind": "mystery", "results": {}}))
     (run / "eval" / "broken.json").write_text("{")
     code, out, _ = report(run, "--out", tmp_path / "out", capsys=capsys)
@@ -163,6 +186,8 @@ def test_eval_results_land_in_the_paper_columns(tmp_path, capsys):
     assert "lm_eval/lambada_openai/acc_stderr_mean" not in t.index
     md = (tmp_path / "out" / "table_pretrain_8k.md").read_text()
     assert "| Wiki." in md and "RULER 8k" in md and "16.12" in md  # the paper's columns, RULER by length
+    headers = md_headers(tmp_path / "out" / "table_pretrain_8k.md")
+    assert len(headers) == len(set(headers)) and "fineweb ppl" in headers and "Held-out ppl" in headers
     assert (tmp_path / "out" / "ratio_per_layer.png").exists()
 
 
@@ -252,3 +277,94 @@ def test_grouping_by_config_twins_and_overrides(tmp_path, capsys):
     assert f"skipped {tmp_path / 'lr-a-copy'}: same config and seed (train.seed=0, data.seed=0) as {a}" in out
     t = table(tmp_path / "out")
     assert sorted(t["Model"]) == ["Transformer [stage.lr=0.001]", "Transformer [stage.lr=None]"]
+
+
+def _edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _edit_config(run, section, **changes):
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg[section] = {**cfg.get(section, {}), **changes}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_compute_time_in_the_unit_of_the_runs_device(tmp_path, capsys):
+    """GPU-hours only for runs that trained on GPUs; CPU runs in CPU process-hours; a run that does not record
+    its device in process-hours. Each run: 2 logged steps of 524288 tokens at 1e6 tokens/s on 8 processes."""
+    cpu = make_run(tmp_path, "cpu", losses=[3.0, 2.9], seed=0)
+    _edit_json(cpu / "plan.json", attention_kernels="reference (PyTorch)")  # what attention.backend=auto picks on CPU
+    gpu_kernels = make_run(tmp_path, "gpu-kernels", losses=[3.0, 2.9], seed=1)
+    _edit_json(gpu_kernels / "plan.json", attention_kernels="flash (FlashAttention-4 4.0; RoPE and ContextNorm "
+                                                             "kernels: Triton)")
+    cpu_asked = make_run(tmp_path, "cpu-asked", losses=[3.0, 2.9], seed=2)
+    _edit_config(cpu_asked, "parallel", device="cpu")
+    gpu_mfu = make_run(tmp_path, "gpu-mfu", losses=[3.0, 2.9], seed=3)
+    records = [{**json.loads(ln), "mfu": 0.4} for ln in (gpu_mfu / "metrics.jsonl").read_text().splitlines()]
+    (gpu_mfu / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    make_run(tmp_path, "unknown", losses=[3.0, 2.9], seed=4)
+    code, _, _ = report(tmp_path, "--out", tmp_path / "out", capsys=capsys)
+    assert code == 0
+    hours = 2 * 524288 / 1e6 * 8 / 3600
+    runs = pd.read_csv(tmp_path / "out" / "runs.csv").set_index("run_dir")
+    expect = {"cpu": "cpu_hours", "gpu-kernels": "gpu_hours", "cpu-asked": "cpu_hours", "gpu-mfu": "gpu_hours",
+              "unknown": "process_hours"}
+    for name, key in expect.items():
+        row = runs.loc[str(tmp_path / name)]
+        assert row[key] == pytest.approx(hours), name
+        assert all(pd.isna(row[other]) for other in set(expect.values()) - {key}), name
+    headers = md_headers(tmp_path / "out" / "table_pretrain_8k.md")
+    assert headers[-4:] == ["GPU-hours", "CPU process-hours", "Process-hours", "n"]
+    t = table(tmp_path / "out")
+    assert (t["gpu_hours_n"][0], t["cpu_hours_n"][0], t["process_hours_n"][0]) == (2, 2, 1)
+
+
+def test_runs_without_a_paper_preset_are_not_a_paper_family(tmp_path, capsys, monkeypatch):
+    """Runs without an experiment preset (or with a non-paper one, tiny/...) are reported under a title that says
+    so, in reports/adhoc by default, with only the columns they have; --family of a paper family they are not
+    part of is one error line; mixed with a paper family's runs they need --family, which skips them by name."""
+    smoke = make_run(tmp_path / "runs", "tiny-logo-smoke", losses=[3.0], kind="logo", size="tiny", stage="smoke")
+    tiny = make_run(tmp_path / "runs", "tiny-full-smoke", losses=[3.1], experiment="tiny/full", size="tiny",
+                    stage="smoke")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = report(tmp_path / "runs", capsys=capsys)
+    assert code == 0 and err == ""
+    md = (tmp_path / "reports" / "adhoc" / "report.md").read_text()
+    assert md.startswith("# Sweep report: Runs without a paper experiment preset (one model size)\n")
+    assert "- family: none (no run has a paper experiment preset; one model size: rows by model)" in md
+    assert "controlled_1.5b" not in md and "paper Table" not in md
+    assert json.loads((tmp_path / "reports" / "adhoc" / "report.json").read_text())["family"] == "adhoc"
+    headers = md_headers(tmp_path / "reports" / "adhoc" / "table_smoke.md")
+    assert headers[:3] == ["Model", "Attn budget", "Train loss"] and "Wiki." not in headers  # no empty paper columns
+
+    code, out, err = report(tmp_path / "runs", "--family", "controlled_1.5b", "--out", tmp_path / "c", capsys=capsys)
+    assert code == 2 and not (tmp_path / "c").exists()
+    assert err == ("error: --family controlled_1.5b: no run is of that family (tiny: 1 run, no preset: 1 run); "
+                   "leave out --family to report the runs as they are\n")
+
+    make_run(tmp_path / "runs", "scaling-200m_full", losses=[2.5], experiment="scaling/200m_full")
+    code, _, err = report(tmp_path / "runs", "--out", tmp_path / "s", capsys=capsys)
+    assert code == 2 and err.startswith("error: the runs come from several experiment families (scaling: 1 run, "
+                                        "tiny: 1 run, no preset: 1 run); pass --family NAME")
+    code, out, _ = report(tmp_path / "runs", "--family", "scaling", "--out", tmp_path / "s", capsys=capsys)
+    assert code == 0
+    assert f"skipped {smoke}: no experiment preset, so not a run of family scaling" in out
+    assert f"skipped {tiny}: preset tiny/full belongs to family tiny, not scaling" in out
+    assert "# Sweep report: Scaling comparison" in (tmp_path / "s" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_report_folder_gets_the_umask_permissions(tmp_path, capsys, umask, file_mode, dir_mode):
+    """The report is assembled in a private temporary folder and renamed into place; the result has the modes
+    the umask gives new files and folders, and is replaced the same way."""
+    make_run(tmp_path / "runs", "run", losses=[3.0, 2.9])
+    old = os.umask(umask)
+    try:
+        for _ in range(2):  # a fresh folder, then replacing it
+            code, _, _ = report(tmp_path / "runs", "--out", tmp_path / "out", capsys=capsys)
+            assert code == 0
+            assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == dir_mode
+            files = list((tmp_path / "out").iterdir())
+            assert len(files) > 5 and all(stat.S_IMODE(os.stat(f).st_mode) == file_mode for f in files)
+    finally:
+        os.umask(old)

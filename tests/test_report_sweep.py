@@ -67,7 +67,8 @@ def test_table_rows_equal_the_runs_metrics(sweep, tmp_path, capsys):
         assert row["params_total_mean"] == plans[0]["params_total"]
         assert row["train_flops_mean"] == pytest.approx(plans[0]["train_flops_per_token"] * STEPS * BATCH)
         hours = [sum(BATCH / m["tokens_per_s"] for m in _metrics(r)) / 3600 for r in members]
-        assert row["gpu_hours_mean"] == pytest.approx(statistics.fmean(hours), rel=1e-9)
+        assert row["cpu_hours_mean"] == pytest.approx(statistics.fmean(hours), rel=1e-9)  # trained on the CPU
+        assert "gpu_hours_mean" not in t.columns
         if model == "LoGo":
             for i in range(4 if size == "tiny" else 6):
                 want = statistics.fmean(f[f"logo/ratio/layer_{i}"] for f in finals)
@@ -80,7 +81,9 @@ def test_table_rows_equal_the_runs_metrics(sweep, tmp_path, capsys):
     for png in ("loss_vs_compute.png", "loss_vs_params.png", "ratio_per_layer.png", "loss_curves.png"):
         assert (out / png).read_bytes()[:8] == PNG, png
     report_md = (out / "report.md").read_text()
-    assert "family: scaling (runs without presets, 2 model sizes)" in report_md
+    assert report_md.startswith("# Sweep report: Runs without a paper experiment preset (2 model sizes)\n")
+    assert "family: none (no run has a paper experiment preset; 2 model sizes: rows by size and model)" in report_md
+    assert "CPU process-hours" in md.splitlines()[0] and "GPU-hours" not in md
     assert "![ratio_per_layer](ratio_per_layer.png)" in report_md
 
 

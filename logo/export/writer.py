@@ -10,16 +10,21 @@ import dataclasses
 import json
 import os
 import shutil
+import struct
+import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
 from logo.export.convert import to_hf
+from logo.export.files import apply_umask
 from logo.export.reader import ExportError
 
 REMOTE_DIR = Path(__file__).with_name("remote")
 REMOTE_FILES = ("configuration_logo.py", "modeling_logo.py")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 MAX_SHARD = "5GB"
 
 
@@ -66,21 +71,43 @@ def hf_config(loaded, dtype: str, eot: int):
     return c
 
 
-def write_weights(out: Path, state: dict[str, torch.Tensor]) -> None:
-    """model.safetensors, or shards near 5 GB with model.safetensors.index.json."""
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], advance: Callable[[int], None]) -> None:
+    """One safetensors file written tensor by tensor, calling `advance(bytes)` after each: an 8-byte
+    little-endian header size, the JSON header (dtype, shape, byte offsets; padded to 8 bytes), the raw bytes."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for t in tensors.values():
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            advance(t.numel() * t.element_size())
+
+
+def write_weights(out: Path, state: dict[str, torch.Tensor], progress: Optional[bool] = None) -> None:
+    """model.safetensors, or shards near 5 GB with model.safetensors.index.json; a bar on stderr counts the bytes
+    written (progress None: only when stderr is a terminal)."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
+    from tqdm import tqdm
     split = split_torch_state_dict_into_shards(state, max_shard_size=MAX_SHARD,
                                                filename_pattern="model{suffix}.safetensors")
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, str(out / filename), metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing weights", file=sys.stderr,
+              disable=None if progress is None else not progress, leave=False) as bar:
+        for filename, names in split.filename_to_tensors.items():
+            bar.set_postfix_str(filename)
+            write_safetensors(out / filename, {n: state[n] for n in names}, bar.update)
     if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
+        index = {"metadata": {"total_size": total}, "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-def write_folder(loaded, out: Path, dtype: str) -> None:
+def write_folder(loaded, out: Path, dtype: str, progress: Optional[bool] = None) -> None:
     """Everything of an export into `out` (an empty folder)."""
     from transformers import GenerationConfig
 
@@ -88,7 +115,7 @@ def write_folder(loaded, out: Path, dtype: str) -> None:
     cfg = loaded.model.cfg
     eot = save_tokenizer(loaded.cfg.data.tokenizer, out, loaded.seq_len)
     state = {k: v.detach().to("cpu", DTYPES[dtype]) for k, v in loaded.model.state_dict().items()}
-    write_weights(out, to_hf(state, cfg.head_dim))
+    write_weights(out, to_hf(state, cfg.head_dim), progress)
     config = hf_config(loaded, dtype, eot)
     config.save_pretrained(str(out))
     cached = cfg.attention.kind == "full"  # the remote code re-encodes instead of caching
@@ -99,22 +126,28 @@ def write_folder(loaded, out: Path, dtype: str) -> None:
             shutil.copyfile(REMOTE_DIR / name, out / name)
 
 
-def export(path, out, dtype: str = "bf16", force: bool = False, device: str = "cpu") -> Path:
+
+
+def export(path, out, dtype: str = "bf16", force: bool = False, device: str = "cpu",
+           progress: Optional[bool] = None) -> Path:
     """Export a run directory, a checkpoint folder or an exported folder to a Hugging Face folder `out`.
-    Written to a temporary sibling folder and renamed at the end: `out` never holds a partial export."""
+    Written to a temporary sibling folder and renamed at the end: `out` never holds a partial export. Files and
+    folders get the permissions of the user's umask. progress: a bar while the weights are written (None: only
+    when stderr is a terminal)."""
     from logo.config import ConfigError
-    from logo.eval.load import load_model
     if dtype not in DTYPES:
         raise ConfigError(f"invalid dtype {dtype!r}: choose one of {list(DTYPES)}")
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"output folder {out} is not empty; pass --force to replace it")
+    from logo.eval.load import load_model
     loaded = load_model(path, device=device, dtype="fp32")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        write_folder(loaded, tmp, dtype)
+        write_folder(loaded, tmp, dtype, progress)
+        apply_umask(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,7 +1,7 @@
 """Evaluation results (`<run_dir>/eval/<kind>.json`, written by the evaluation command) as flat report values.
 
     perplexity: results {"dataset", "split", "seq_len", "tokens", "loss", "ppl", "buckets"} (or a list of them)
-                -> ppl/<dataset>, loss/<dataset>
+                -> ppl/<dataset>, loss/<dataset> (<dataset>: the corpus folder's name)
     ruler:      results {"scores": {task: {length: score}}, "average": {length: score}}
                 -> ruler/<length> (average over tasks), ruler/<task>/<length>, ruler_avg (mean over lengths)
     lm_eval:    results {task: {metric: value}} (lm-eval's "metric,filter" keys accepted)
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import PurePath
 from typing import Optional
 
 # The paper's Table 2/3 columns from lm-eval-harness task/metric names: (column, task, metric, scale).
@@ -50,12 +51,21 @@ def length_order(label: str) -> float:
         return math.inf
 
 
+def dataset_name(dataset) -> str:
+    """A perplexity result's dataset (a corpus folder) as a column name: the folder's name, "default_corpus" for
+    the embedded corpus (its folder is named by a hash)."""
+    path = PurePath(str(dataset or "eval"))
+    if path.parent.name == "default_corpus":
+        return "default_corpus"
+    return path.name or str(dataset)
+
+
 def perplexity_values(results) -> dict[str, float]:
     out = {}
     for r in results if isinstance(results, list) else [results]:
         if not isinstance(r, dict):
             continue
-        name = str(r.get("dataset") or "eval")
+        name = dataset_name(r.get("dataset"))
         for k in ("ppl", "loss"):
             v = _num(r.get(k))
             if v is not None:

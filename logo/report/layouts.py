@@ -2,10 +2,12 @@
 
 A layout names the row-label columns, the paper's metric columns (always shown, "–" when no run has them), which
 cell is the baseline of which (same stage and `match` key), the row order, and whether loss-vs-compute curves
-are fitted. Tables are split by stage (8k pretraining, 32k, 128k).
+are fitted. Tables are split by stage (8k pretraining, 32k, 128k). Runs of no paper family get an ad-hoc layout
+(`adhoc_layout`): one of the paper's shapes, titled as what the runs are, showing only the columns they have.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,7 +19,8 @@ from logo.report.values import fmt, metric, sort_key
 STAGE_ORDER = ("smoke", "pretrain_8k", "ctx_32k", "ctx_128k")
 # Shown after the paper's columns whenever a run has them.
 EXTRA_COLUMNS = ("eval_loss", "eval_ppl", "ratio_mean", "global_flops_fraction", "params_total", "tokens",
-                 "train_flops", "gpu_hours")
+                 "train_flops", "gpu_hours", "cpu_hours", "process_hours")
+ADHOC = "adhoc"  # the family name of a report on runs of no paper family
 
 
 def model_rank(c: Cell) -> int:
@@ -40,6 +43,7 @@ class Layout:
     order: Callable[[Cell], tuple]
     fit: bool = False
     accepts: tuple[str, ...] = ()  # presets of other families that belong in this report
+    paper: bool = True  # False: an ad-hoc layout, whose paper columns show only when a run has them
 
     def baseline_of(self, cell: Cell, cells: list[Cell]):
         if self.is_baseline(cell):
@@ -85,6 +89,15 @@ LAYOUTS = {
 }
 
 
+def adhoc_layout(n_sizes: int) -> Layout:
+    """The layout of runs without a paper experiment preset: rows by size and model with scaling fits (the
+    scaling shape) for several model sizes, else rows by model (the controlled comparison's shape)."""
+    shape = LAYOUTS["scaling" if n_sizes > 1 else "controlled_1.5b"]
+    sizes = f"{n_sizes} model sizes" if n_sizes > 1 else "one model size"
+    return dataclasses.replace(shape, family=ADHOC, title=f"Runs without a paper experiment preset ({sizes})",
+                               accepts=(), paper=False)
+
+
 def stage_rank(stage: str) -> tuple:
     return (STAGE_ORDER.index(stage), "") if stage in STAGE_ORDER else (len(STAGE_ORDER), stage)
 
@@ -101,7 +114,7 @@ def _ruler_lengths(cells: list[Cell]) -> list[str]:
 
 def main_columns(layout: Layout, cells: list[Cell]) -> list[str]:
     present = set().union(*(c.keys() for c in cells)) if cells else set()
-    cols = list(layout.columns)
+    cols = [k for k in layout.columns if layout.paper or k in present]
     if layout.ruler:
         cols += _ruler_lengths(cells) + (["ruler_avg"] if "ruler_avg" in present and "ruler_avg" not in cols else [])
     ppl = sorted(k for k in present if k.startswith("ppl/"))

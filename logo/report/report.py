@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from logo.report.cells import Cell, Comparison, compare, make_cells
 from logo.report.fit import FitError, Multiplier, PowerLawFit, compute_multiplier, fit_power_law
-from logo.report.layouts import LAYOUTS, Layout, split_by_stage
+from logo.report.layouts import LAYOUTS, Layout, adhoc_layout, split_by_stage
 from logo.report.runs import Run, Skip, find_run_dirs, load_run
 from logo.report.values import run_values
 
@@ -79,34 +79,49 @@ def load_runs(args: list[str], settings: Settings, say: Callable[[str], None]) -
 
 
 def choose_family(runs: list[Run], family: Optional[str]) -> tuple[Layout, list[Run], list[str], str]:
-    """The layout, the runs that belong to it, skip lines for the others, and how the family was chosen."""
+    """The layout, the runs that belong to it, skip lines for the others, and how the family was chosen. A run
+    belongs to a paper family only through its experiment preset; runs without one are reported as themselves."""
     if family is not None:
-        if family not in LAYOUTS:
-            raise ReportError(f"unknown --family {family!r}; choose one of {', '.join(LAYOUTS)}")
-        layout = LAYOUTS[family]
-        keep, skipped = [], []
-        for r in runs:
-            if r.family in (None, family) or r.experiment in layout.accepts:
-                keep.append(r)
-            else:
-                skipped.append(f"skipped {r.path}: preset {r.experiment} belongs to family {r.family}, "
-                               f"not {family}")
-        return layout, keep, skipped, f"{family} (--family)"
-    families = sorted({r.family for r in runs if r.family})
-    fits = [f for f in families if f in LAYOUTS
-            and all(r.family in (None, f) or r.experiment in LAYOUTS[f].accepts for r in runs)]
+        return _asked_family(runs, family)
+    present = sorted({r.family for r in runs if r.family in LAYOUTS})
+    fits = [f for f in present if all(r.family == f or r.experiment in LAYOUTS[f].accepts for r in runs)]
     if len(fits) == 1:
         return LAYOUTS[fits[0]], runs, [], f"{fits[0]} (from the runs' experiment presets)"
-    if families:
-        n = {f: sum(r.family == f for r in runs) for f in families}
-        counts = ", ".join(f"{f}: {k} run{'s' if k != 1 else ''}" for f, k in n.items())
-        raise ReportError(f"the runs come from several experiment families ({counts}); pass --family NAME "
-                          f"(one of {', '.join(LAYOUTS)}) to report one of them")
+    if present:
+        raise ReportError(f"the runs come from several experiment families ({_family_counts(runs)}); pass "
+                          f"--family NAME (one of {', '.join(LAYOUTS)}) to report one of them")
     sizes = {(r.config["model"].get("name"), r.config["model"].get("dim"), r.config["model"].get("n_layers"))
              for r in runs}
-    if len(sizes) > 1:
-        return LAYOUTS["scaling"], runs, [], f"scaling (runs without presets, {len(sizes)} model sizes)"
-    return LAYOUTS["controlled_1.5b"], runs, [], "controlled_1.5b (runs without presets, one model size)"
+    shape = f"{len(sizes)} model sizes: rows by size and model" if len(sizes) > 1 else "one model size: rows by model"
+    return adhoc_layout(len(sizes)), runs, [], f"none (no run has a paper experiment preset; {shape})"
+
+
+def _asked_family(runs: list[Run], family: str) -> tuple[Layout, list[Run], list[str], str]:
+    """--family: the runs of that family; the others skipped, or one error line when no run is of it."""
+    if family not in LAYOUTS:
+        raise ReportError(f"unknown --family {family!r}; choose one of {', '.join(LAYOUTS)}")
+    layout = LAYOUTS[family]
+    keep, skipped = [], []
+    for r in runs:
+        if r.family == family or r.experiment in layout.accepts:
+            keep.append(r)
+        elif r.family is None:
+            skipped.append(f"skipped {r.path}: no experiment preset, so not a run of family {family}")
+        else:
+            skipped.append(f"skipped {r.path}: preset {r.experiment} belongs to family {r.family}, not {family}")
+    if not keep:
+        raise ReportError(f"--family {family}: no run is of that family ({_family_counts(runs)}); leave out "
+                          f"--family to report the runs as they are")
+    return layout, keep, skipped, f"{family} (--family)"
+
+
+def _family_counts(runs: list[Run]) -> str:
+    """'scaling: 2 runs, no preset: 1 run': the runs per experiment family."""
+    n: dict[Optional[str], int] = {}
+    for r in runs:
+        n[r.family] = n.get(r.family, 0) + 1
+    names = sorted(f for f in n if f is not None) + ([None] if None in n else [])
+    return ", ".join(f"{f or 'no preset'}: {n[f]} run{'s' if n[f] != 1 else ''}" for f in names)
 
 
 def build_report(args: list[str], settings: Settings, say: Callable[[str], None] = print) -> Report:

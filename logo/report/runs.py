@@ -53,6 +53,22 @@ class Run:
         return self.experiment.split("/")[0] if self.experiment else None
 
     @property
+    def device(self) -> Optional[str]:
+        """Where the run trained, "cuda" or "cpu", from its config, plan and metrics; None when they do not say."""
+        asked = (self.config.get("parallel") or {}).get("device")
+        if asked in ("cpu", "cuda"):
+            return asked
+        if any("mfu" in r for r in self.train_records):  # the trainer logs MFU on GPUs only
+            return "cuda"
+        kernels = str(self.plan.get("attention_kernels") or "")
+        backend = (self.config.get("attention") or {}).get("backend", "auto")
+        if kernels.startswith("flash"):  # FlashAttention-4 runs on CUDA only
+            return "cuda"
+        if kernels and backend == "auto":  # auto picks the PyTorch reference exactly when not on CUDA
+            return "cpu" if kernels.startswith("reference") else "cuda"
+        return None
+
+    @property
     def seed(self) -> tuple:
         return (self.config.get("train", {}).get("seed"), self.config.get("data", {}).get("seed"))
 

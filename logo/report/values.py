@@ -11,6 +11,7 @@ from logo.report.runs import Run
 
 RATIO = re.compile(r"^logo/ratio/layer_(\d+)$")
 RATIO_WINDOW = re.compile(r"^logo/ratio_window/layer_(\d+)$")  # the budget reporting's window means
+HOURS_KEYS = {"cuda": "gpu_hours", "cpu": "cpu_hours", None: "process_hours"}  # by the device a run trained on
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ METRICS = {m.key: m for m in (
     Metric("train_flops", "Train FLOPs", None, "sci", seeded=False),
     Metric("attention_flops", "Attn FLOPs", None, "sci", seeded=False),
     Metric("gpu_hours", "GPU-hours", None, "3"),
+    Metric("cpu_hours", "CPU process-hours", None, "3"),
+    Metric("process_hours", "Process-hours", None, "3"),
     Metric("steps", "Steps", None, "0", seeded=False),
 )}
 
@@ -103,7 +106,8 @@ def _mean(xs) -> float:
 def run_values(run: Run, last_steps: int) -> dict[str, float]:
     """The run's report values. train_loss: mean logged loss over the last `last_steps` optimizer steps (at least
     the last logged step); ratios: the budget reporting's window means when logged, else the mean over the same
-    steps; FLOPs: the plan's per-token FLOPs x the tokens trained; GPU-hours: logged wall time x world size."""
+    steps; FLOPs: the plan's per-token FLOPs x the tokens trained; compute time: logged wall time x world size,
+    as GPU-hours, CPU process-hours or (device not recorded) process-hours; held-out loss: the training loop's."""
     train = run.train_records
     last = train[-1]
     window = [r for r in train if r["step"] > last["step"] - last_steps] or [last]
@@ -120,12 +124,14 @@ def run_values(run: Run, last_steps: int) -> dict[str, float]:
         v["train_flops"] = plan["train_flops_per_token"] * tokens
     if isinstance(plan.get("attention_flops_per_token"), (int, float)):
         v["attention_flops"] = 3.0 * plan["attention_flops_per_token"] * tokens  # forward + backward
-    hours = gpu_hours(train, plan.get("world_size", 1))
+    hours = process_hours(train, plan.get("world_size", 1))
     if hours is not None:
-        v["gpu_hours"] = hours
+        v[HOURS_KEYS[run.device]] = hours
     v.update(_ratios(window, last))
+    # Held-out values logged with a training step; `python -m logo.eval perplexity` appends records without a
+    # training loss, whose results are the ppl/<dataset> values of eval/perplexity.json.
     for key, name in (("eval/loss", "eval_loss"), ("eval/ppl", "eval_ppl")):
-        logged = [r[key] for r in run.records if isinstance(r.get(key), (int, float))]
+        logged = [r[key] for r in train if isinstance(r.get(key), (int, float))]
         if logged:
             v[name] = float(logged[-1])
     v.update(eval_values(run.evals))
@@ -150,7 +156,7 @@ def _ratios(window: list[dict], last: dict) -> dict[str, float]:
     return out
 
 
-def gpu_hours(train: list[dict], world_size: int) -> Optional[float]:
+def process_hours(train: list[dict], world_size: int) -> Optional[float]:
     """Sum over logged intervals of (tokens in the interval / tokens per second) x world size, in hours. The
     trainer measures tokens_per_s over the wall time since the previous logged step (checkpoint saves included,
     start-up excluded)."""

@@ -2,7 +2,8 @@
 runs.csv, comparisons.csv, fits.csv, report.json and the PNG plots.
 
 The folder is assembled next to the target and swapped in at the end, so a reader never sees a half-written
-report; an existing folder is replaced only if it is a report folder (it holds report.json).
+report; an existing folder is replaced only if it is a report folder (it holds report.json). Files and folders get
+the permissions of the user's umask.
 """
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from logo.export.files import apply_umask
 from logo.report import plots
 from logo.report.layouts import full_table, main_table, ratio_table, ruler_task_table
 from logo.report.report import FIT_AXES, Report, ReportError
 from logo.report.values import fmt, metric
+
+HOURS_NOTES = {"gpu_hours": "GPU-hours for runs on GPUs", "cpu_hours": "CPU process-hours for runs on the CPU",
+               "process_hours": "process-hours for runs that do not record their device"}
 
 
 def _md(df: pd.DataFrame) -> str:
@@ -105,7 +110,14 @@ def _header(rep: Report) -> str:
         f"alpha {s.alpha}); it needs >= 2 seeds on both sides",
         f"- fits: {s.fit_metric} = E + A * x^-alpha per model (scipy curve_fit), {int(s.level * 100)}% percentile "
         f"intervals from {s.n_boot} residual-bootstrap refits; training FLOPs = the plan's train FLOPs per token "
-        f"(6 N + attention) x tokens trained; GPU-hours = logged wall time x world size", ""])
+        f"(6 N + attention) x tokens trained", *_compute_time_note(rep), ""])
+
+
+def _compute_time_note(rep: Report) -> list[str]:
+    """The header line saying how compute time is measured, in the units the report's runs have."""
+    keys = set().union(*(c.keys() for c in rep.cells))
+    units = [note for key, note in HOURS_NOTES.items() if key in keys]
+    return [f"- compute time: logged wall time x world size, as {', '.join(units)}"] if units else []
 
 
 def report_markdown(rep: Report, files: list[str]) -> str:
@@ -217,6 +229,7 @@ def write_report(rep: Report, out: Path) -> list[Path]:
         files.append("report.json")
         (tmp / "report.md").write_text(report_markdown(rep, files))
         files.insert(0, "report.md")
+        apply_umask(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -623,12 +624,17 @@ def local_state_bytes(model, optimizer) -> int:
 
 @contextmanager
 def _quiet_dcp():
-    """DCP logs full tracebacks (as warnings) before it raises; the CheckpointError we raise says it in one line."""
+    """DCP logs full tracebacks (as warnings) before it raises; the CheckpointError we raise says it in one line.
+    It also warns on every save and load without a process group that it assumes one process: that is intended
+    here (training on one process, evaluation, export), so that warning is dropped too."""
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.CRITICAL + 1)  # DCP's loaders log through the root logger
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized",
+                                    category=UserWarning)
+            yield
     finally:
         root.setLevel(level)
 
