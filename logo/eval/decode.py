@@ -1,36 +1,47 @@
-"""KV-cache decoding for every attention kind, with LoGo's global skip (paper Sec. 3.3, App. B).
+"""Decoding with static KV caches for every attention kind, with LoGo's global skip inside the step (paper Sec. 3.3,
+App. B): a decode step is a fixed sequence of device operations, replayed as one CUDA graph on a GPU.
 
-Prefill runs the prompt through the model's own blocks (the training kernels: sliding-window and query-sparse
-attention, or SDPA for full attention) and fills the caches from the same layer inputs. Then one token per
-step and row:
+Prefill runs the right-padded prompts through the model's own blocks (the training kernels), a group of rows at a
+time (`PREFILL_TOKENS` per group, so a long prompt's activations stay bounded), and fills the caches
+(`logo.eval.kv_cache`: dense caches of every position, ring buffers of the last `window`), allocated once at their
+final size. Then one token per row and step, from static buffers (the tokens, each row's position and whether it
+is still generating, all on the device):
 
-- full attention: a dense cache of every earlier token;
-- local (sliding window): a ring buffer of the last `window` keys/values;
-- intra-layer hybrid: dense cache for the global heads, ring buffer for the local heads;
-- LoGo: the local branch reads its ring buffer; global keys/values are computed for every token (keys stay
-  dense) into a dense cache; the gate is computed first and the global branch runs only for rows it selects.
-  Batched policy: one global call per layer over the rows from the first to the last selected one (a cache
-  view, no copy), whose selected rows are kept; a step where no row is selected skips the global call
-  entirely. This is at least as good as the paper's policy (skip only when no row is selected, else compute
-  every row and mask).
+- full attention: the dense cache, the decode kernel over each row's positions 0..pos;
+- local (sliding window): the ring buffer;
+- intra-layer hybrid: the dense cache for the global heads, the ring for the local ones;
+- LoGo: the gate decides per row on the device (z = p > b, rows still generating); the local branch reads its
+  ring; global keys/values of every token go into the dense cache (later selected queries see them); the global
+  branch is the decode kernel over the dense cache with z as its active rows: the programs of unselected rows
+  return at once, so its work follows the selected rows with no host branch (the "serving kernel that compacts
+  active rows"); fusion by a select over rows. Inter-layer hybrids mix the above per layer.
 
-Batches: prompts of different lengths are right-padded (padding is never routed global and never read);
-each row then decodes at its own position. Autocast (bf16) is the caller's: caches take the dtype of the
-projections. Inter-layer hybrids are per-layer mixtures of the above.
+No step reads a device value on the host: positions advance on the device, routing counts accumulate there
+(`DecodeStats`, read once at the end). On CUDA each block's step goes through torch.compile (its elementwise work
+fused; one graph per attention kind, shared by its layers), the second step records the whole step as a CUDA
+graph (the first runs eagerly and compiles the kernels) and every later step replays it; the step runs under the
+caller's autocast dtype without autocast's weight cache (a graph may not keep pointers into it). `generate` adds
+greedy or temperature / top-p sampling, stop ids and a host-side stop predicate checked every `CHECK_EVERY` steps
+(a row that stopped in between is cut where it stopped: the same tokens as checking every step).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from logo.eval.kv_cache import DenseCache, RingCache
+from logo.kernels import dispatch
 from logo.model.layers import PackedSeqs, apply_rope, apply_rope_rows, rope_cos_sin, upcast
+
+PREFILL_TOKENS = 1 << 17  # rows x padded prompt length run through the blocks at once
+CHECK_EVERY = 8  # decode steps between the host's looks at which rows are done (one sync each)
 
 
 @dataclass
-class LayerState:
+class LayerCaches:
     kind: str  # full | local | intra_layer | logo
     dense: Optional[DenseCache] = None
     ring: Optional[RingCache] = None
@@ -38,20 +49,20 @@ class LayerState:
 
 @dataclass
 class DecodeStats:
-    """LoGo routing during decoding (prompt excluded): per LoGo layer and step."""
+    """LoGo routing during decoding (prompt excluded), over LoGo layers and steps."""
 
-    rows: int = 0  # valid (row, layer, step) triples
+    rows: int = 0  # (row, layer, step) triples of rows still generating
     selected: int = 0  # of which routed global
     layer_steps: int = 0  # (layer, step) pairs
-    skipped: int = 0  # of which no row was selected: no global call at all
-    global_calls: int = 0  # attention launches of the global branch
+    skipped: int = 0  # of which no row was selected: the global kernel did no work
 
     def as_dict(self) -> dict:
         return {"rows": self.rows, "selected": self.selected, "global_fraction": self.selected / max(self.rows, 1),
-                "layer_steps": self.layer_steps, "skipped": self.skipped, "global_calls": self.global_calls}
+                "layer_steps": self.layer_steps, "skipped": self.skipped,
+                "skipped_fraction": self.skipped / max(self.layer_steps, 1)}
 
 
-# --- LoGo global-branch projections from the layer's public building blocks ---------------------------
+# --- LoGo global-branch projections from the layer's public building blocks ---------------------------------
 def _global_q(attn, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Pre-RoPE global queries: x (n, d), local q (n, H, D) -> (n, H, D)."""
     if attn.attn_cfg.transform == "full":
@@ -66,111 +77,164 @@ def _global_kv(attn, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return attn.transform(1, k), attn.transform(2, v)
 
 
-# --- prefill: caches from the layer input x (B, T, d) ------------------------------------------------------
 def _n_global_heads(attn, kind: str) -> int:
     return {"full": attn.n_heads, "local": 0, "logo": 0}.get(kind, getattr(attn, "n_global", 0))
 
 
-def prefill_layer(attn, kind: str, x, cos, sin, lengths: Sequence[int], capacity: int) -> LayerState:
-    """A layer's caches after the prompt: x (B, T, d) its attention input, cos/sin (T, D/2)."""
-    B = x.shape[0]
-    q, k, v = attn.project(x)  # (B, T, H, D) pre-RoPE
-    H, D, W = k.shape[2], k.shape[3], attn.attn_cfg.window
-    kr = apply_rope(k, cos, sin)
-    st = LayerState(kind)
+def new_caches(attn, kind: str, batch: int, capacity: int, dtype, device) -> LayerCaches:
+    """A layer's empty caches, at their final size."""
+    H, D, W = attn.n_heads, attn.head_dim, attn.attn_cfg.window
     g = _n_global_heads(attn, kind)
-    if g > 0:  # full attention, or the global heads of the intra-layer hybrid
-        st.dense = DenseCache(B, g, capacity, D, kr.dtype, x.device)
-        st.dense.prefill(kr[:, :, :g], v[:, :, :g])
+    c = LayerCaches(kind)
+    if kind == "logo":
+        c.dense = DenseCache(batch, H, capacity, D, dtype, device)
+    elif g > 0:
+        c.dense = DenseCache(batch, g, capacity, D, dtype, device)
     if g < H:  # local heads (all heads of local and LoGo layers)
-        st.ring = RingCache(B, H - g, W, capacity, D, kr.dtype, x.device)
-        st.ring.prefill(kr[:, :, g:], v[:, :, g:], lengths)
-    if kind == "logo":  # global branch: keys/values of every token
+        c.ring = RingCache(batch, H - g, W, capacity, D, dtype, device)
+    return c
+
+
+def prefill_layer(attn, c: LayerCaches, rows: slice, x, cos, sin, lengths: Sequence[int]) -> None:
+    """Fill a layer's caches for `rows` from its attention input x (b, T, d), cos/sin (T, D/2)."""
+    q, k, v = attn.project(x)  # (b, T, H, D) pre-RoPE
+    kr = apply_rope(k, cos, sin)
+    g = _n_global_heads(attn, c.kind)
+    if c.kind == "logo":  # global branch: keys/values of every token
         kg, vg = _global_kv(attn, x, k, v)
-        st.dense = DenseCache(B, H, capacity, D, kg.dtype, x.device)
-        st.dense.prefill(apply_rope(kg, cos, sin), vg)
-    return st
+        c.dense.prefill(rows, apply_rope(kg, cos, sin), vg)
+    elif g > 0:
+        c.dense.prefill(rows, kr[:, :, :g], v[:, :, :g])
+    if c.ring is not None:
+        c.ring.prefill(rows, kr[:, :, g:], v[:, :, g:], lengths)
 
 
-# --- one decoding step: x (B, 1, d) -> attention output (B, 1, d) ------------------------------------------
+# --- one decoding step, from the static buffers ----------------------------------------------------------------
 @dataclass
-class StepInfo:
-    """Where each row's new token sits: pos (B,) int64 and the same as Python ints, its RoPE angles
-    cos/sin (B, D/2), valid (B,) bool rows still generating (n_valid of them)."""
+class StepInputs:
+    """Where each row's new token sits: pos (B,) int64, its RoPE angles cos/sin (B, D/2), active (B,) bool."""
 
     pos: torch.Tensor
-    host_pos: list
     cos: torch.Tensor
     sin: torch.Tensor
-    valid: torch.Tensor
-    n_valid: int
+    active: torch.Tensor
 
 
-def step_layer(attn, st: LayerState, x, s: StepInfo, stats: DecodeStats) -> torch.Tensor:
+def _attend(q, cache, s: StepInputs, active: torch.Tensor) -> torch.Tensor:
+    return dispatch.decode_attention(q, cache.k, cache.v, cache.lengths(s.pos), active)
+
+
+def step_layer(attn, c: LayerCaches, x, s: StepInputs, counts: torch.Tensor) -> torch.Tensor:
+    """A layer's attention output for one token per row: x (B, 1, d) -> (B, 1, d)."""
     q, k, v = (t[:, 0] for t in attn.project(x))  # (B, H, D) pre-RoPE
     qr, kr = apply_rope_rows(q, s.cos, s.sin), apply_rope_rows(k, s.cos, s.sin)
-    if st.kind == "logo":
-        o = _logo_mix(attn, st, x[:, 0], q, k, v, qr, kr, s, stats)
+    if c.kind == "logo":
+        o = _logo_mix(attn, c, x[:, 0], q, k, v, qr, kr, s, counts)
     else:
+        g = c.dense.k.shape[1] if c.dense is not None else 0
         parts = []
-        g = st.dense.k.shape[1] if st.dense is not None else 0
-        if st.dense is not None:
-            st.dense.append(kr[:, :g], v[:, :g], s.pos)
-            parts.append(st.dense.attend(qr[:, :g], s.pos, s.host_pos))
-        if st.ring is not None:
-            st.ring.append(kr[:, g:], v[:, g:], s.pos)
-            parts.append(st.ring.attend(qr[:, g:], s.host_pos))
+        if c.dense is not None:
+            c.dense.append(kr[:, :g], v[:, :g], s.pos)
+            parts.append(_attend(qr[:, :g], c.dense, s, s.active))
+        if c.ring is not None:
+            c.ring.append(kr[:, g:], v[:, g:], s.pos)
+            parts.append(_attend(qr[:, g:], c.ring, s, s.active))
         o = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (B, H, D)
     return attn.wo(o.flatten(1))[:, None]
 
 
-def _logo_mix(attn, st: LayerState, x, q, k, v, qr, kr, s: StepInfo, stats: DecodeStats):
+def _logo_mix(attn, c: LayerCaches, x, q, k, v, qr, kr, s: StepInputs, counts: torch.Tensor) -> torch.Tensor:
     """LoGo before W_o for one token per row: x (B, d); q, k, v pre-RoPE and qr, kr rotated (B, H, D)."""
     p = attn.gate_probs(x[:, None])  # (B,) fp32
-    z = (p > attn.threshold) & s.valid  # (B,) the routing decision, before any global work
-    st.ring.append(kr, v, s.pos)
-    o = attn.norm_local(st.ring.attend(qr, s.host_pos))  # (B, H, D)
+    z = (p > attn.threshold) & s.active  # (B,) the routing decision, on the device
+    c.ring.append(kr, v, s.pos)
+    o = attn.norm_local(_attend(qr, c.ring, s, s.active))  # (B, H, D)
     kg, vg = _global_kv(attn, x, k, v)  # every token: later selected queries see it
-    st.dense.append(apply_rope_rows(kg, s.cos, s.sin), vg, s.pos)
+    c.dense.append(apply_rope_rows(kg, s.cos, s.sin), vg, s.pos)
+    qg = apply_rope_rows(_global_q(attn, x, q), s.cos, s.sin)
+    og = attn.norm_global(_attend(qg, c.dense, s, z))  # unselected rows: no work, zeros
+    p_ = p[:, None, None]
+    o_l = upcast(o)
+    fused = ((1.0 - p_) * o_l if attn.attn_cfg.fusion == "weighted" else o_l) + p_ * upcast(og)
+    n = z.sum()
+    counts += torch.stack((s.active.sum(), n, (n == 0) & s.active.any())).to(counts.dtype)
+    return torch.where(z[:, None, None], fused.to(o.dtype), o)
 
-    sel = torch.nonzero(z).flatten()
-    rows = sel.tolist()  # host sync: the skip decision
-    stats.layer_steps += 1
-    stats.rows += s.n_valid
-    stats.selected += len(rows)
-    if not rows:
-        stats.skipped += 1
-        return o  # every row local: exactly Norm^L(O^L), no global call
-    # One attention call over the span of rows first..last selected (a cache view, no copy): the rows in
-    # between that are not selected cost their share of that call, never a call of their own.
-    a, b = rows[0], rows[-1] + 1
-    qg = apply_rope_rows(_global_q(attn, x[a:b], q[a:b]), s.cos[a:b], s.sin[a:b])  # (b - a, H, D)
-    og = st.dense.attend(qg, s.pos[a:b], s.host_pos[a:b], rows=slice(a, b))
-    stats.global_calls += 1
-    og = attn.norm_global(og[sel - a] if len(rows) < b - a else og)  # (n, H, D)
-    p_sel = p[sel][:, None, None]
-    o_sel = upcast(o[sel])
-    fused = ((1.0 - p_sel) * o_sel if attn.attn_cfg.fusion == "weighted" else o_sel) + p_sel * upcast(og)
-    return o.index_copy(0, sel, fused.to(o.dtype))
+
+def block_step(block, c: LayerCaches, h: torch.Tensor, s: StepInputs, counts: torch.Tensor) -> torch.Tensor:
+    """One transformer block for one token per row: h (B, 1, d) -> (B, 1, d), the caches appended."""
+    h = h + step_layer(block.attention, c, block.attention_norm(h), s, counts)
+    return h + block.feed_forward(block.ffn_norm(h))
+
+
+_compiled_block_step = None
+
+
+def compiled_block_step():
+    """`block_step` through torch.compile (one graph per attention kind, shared by the layers of that kind: the
+    parameters are its inputs), so a step's elementwise work is fused into few kernels."""
+    global _compiled_block_step
+    if _compiled_block_step is None:
+        _compiled_block_step = torch.compile(block_step, fullgraph=True)
+    return _compiled_block_step
 
 
 class Decoder:
-    """Caches for one batch of prompts: `prefill(prompts)` then `step(tokens)` -> next-token logits."""
+    """Static caches for a batch of prompts: `prefill(prompts)` then `step(tokens, active)` -> next logits.
+
+    The caches, the step's buffers and (on CUDA) its graph are made at the first prefill for that batch size and
+    kept: a later prefill with as many prompts reuses them."""
 
     def __init__(self, model, capacity: int):
         self.model, self.capacity = model, capacity
         self.device = next(model.parameters()).device
         cfg = model.cfg
-        self.cos, self.sin = rope_cos_sin(capacity, cfg.head_dim, cfg.rope_theta, self.device)  # (S, D/2)
+        self.vocab = cfg.vocab_size
         self.blocks = list(model.layers.values())
-        self.states: list[LayerState] = []
+        self.n_logo = sum(b.attention_kind == "logo" for b in self.blocks)
+        self.autocast = (torch.get_autocast_dtype(self.device.type)
+                         if torch.is_autocast_enabled(self.device.type) else None)
+        self.batch = 0
+        self.caches: list[LayerCaches] = []
+        self.graph = None
+        self.steps_run = 0  # steps since the prefill (host count: the capacity check needs no device value)
+        self.prompt_max = 0
         self.stats = DecodeStats()
-        self.host_pos: list[int] = []
-        self.pos: Optional[torch.Tensor] = None
+        self.block_step = compiled_block_step() if self.device.type == "cuda" else block_step
 
     @property
     def cache_bytes(self) -> int:
-        return sum(c.nbytes for st in self.states for c in (st.dense, st.ring) if c is not None)
+        return sum(c.nbytes for lc in self.caches for c in (lc.dense, lc.ring) if c is not None)
+
+    def _allocate(self, batch: int) -> None:
+        dtype = self.autocast or self.model.tok_embeddings.weight.dtype
+        need = batch * sum(_layer_cache_bytes(b.attention, b.attention_kind, self.capacity, dtype)
+                           for b in self.blocks)
+        free = _free_bytes(self.device)
+        if free is not None and need > 0.9 * (free + self.cache_bytes):
+            where = "GPU memory" if self.device.type == "cuda" else "memory"
+            raise ValueError(f"a batch of {batch} rows with room for {self.capacity} tokens needs "
+                             f"{need / 2**30:.1f} GiB of KV caches but {(free + self.cache_bytes) / 2**30:.1f} GiB "
+                             f"of {where} is free: lower the batch size or the context")
+        self.caches = []  # the previous batch's caches go first
+        self.graph = None
+        cfg = self.model.cfg
+        self.cos, self.sin = rope_cos_sin(self.capacity, cfg.head_dim, cfg.rope_theta, self.device)  # (S, D/2)
+        self.caches = [new_caches(b.attention, b.attention_kind, batch, self.capacity, dtype, self.device)
+                       for b in self.blocks]
+        self.batch = batch
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.active = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        weight = self.model.output.weight  # logits in at least fp32, as the training forward's
+        self.logits = torch.zeros(batch, weight.shape[0], device=self.device,
+                                  dtype=torch.promote_types(weight.dtype, torch.float32))
+        self.counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # rows, selected, skipped
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast, cache_enabled=False)
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -178,46 +242,112 @@ class Decoder:
         lengths = [len(p) for p in prompts]
         if not prompts or min(lengths) < 1:
             raise ValueError("prefill needs at least one prompt and every prompt needs at least one token")
-        B, T = len(prompts), max(lengths)
-        if T >= self.capacity:
-            raise ValueError(f"a prompt of {T} tokens leaves no room in a cache of {self.capacity} positions")
+        if max(lengths) >= self.capacity:
+            raise ValueError(f"a prompt of {max(lengths)} tokens leaves no room in a cache of {self.capacity} "
+                             f"positions")
+        if len(prompts) != self.batch:
+            self._allocate(len(prompts))
+        group = max(1, PREFILL_TOKENS // max(lengths))
+        last = torch.cat([self._prefill_rows(slice(i, min(i + group, len(prompts))), prompts)
+                          for i in range(0, len(prompts), group)])
+        self.pos.copy_(torch.tensor(lengths, device=self.device))
+        self.active.fill_(True)
+        self.steps_run, self.prompt_max = 0, max(lengths)
+        with self._autocast():
+            return self.model.output(self.model.norm(last))
+
+    def _prefill_rows(self, rows: slice, prompts) -> torch.Tensor:
+        """Prompts of `rows` through the blocks, filling their caches; the hidden state after each prompt."""
+        lengths = [len(p) for p in prompts[rows]]
+        B, T = len(lengths), max(lengths)
         tokens = torch.zeros(B, T, dtype=torch.long, device=self.device)
-        for b, p in enumerate(prompts):
+        for b, p in enumerate(prompts[rows]):
             tokens[b, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         lens = torch.tensor(lengths, device=self.device)
         valid = torch.arange(T, device=self.device)[None, :] < lens[:, None]  # (B, T)
         seqs = PackedSeqs.build(B, T, self.device, None, valid)
         cos, sin = self.cos[:T], self.sin[:T]
         h = self.model.tok_embeddings(tokens)  # (B, T, d)
-        self.states = []
-        for block in self.blocks:  # the model's own blocks: the training kernels
-            x = block.attention_norm(h)
-            self.states.append(prefill_layer(block.attention, block.attention_kind, x, cos, sin, lengths,
-                                             self.capacity))
+        for block, c in zip(self.blocks, self.caches):  # the model's own blocks: the training kernels
+            prefill_layer(block.attention, c, rows, block.attention_norm(h), cos, sin, lengths)
             h = block(h, cos, sin, seqs)[0]
-        last = h[torch.arange(B, device=self.device), lens - 1]  # (B, d)
-        self.host_pos, self.pos = list(lengths), lens.clone()
-        return self.model.output(self.model.norm(last))
+        return h[torch.arange(B, device=self.device), lens - 1]  # (B, d)
+
+    def _step(self) -> None:
+        """One token per row from the static buffers: caches appended, logits written, positions advanced."""
+        s = StepInputs(self.pos, self.cos[self.pos], self.sin[self.pos], self.active)
+        with self._autocast():
+            h = self.model.tok_embeddings(self.tokens[:, None])  # (B, 1, d)
+            for block, c in zip(self.blocks, self.caches):
+                h = self.block_step(block, c, h, s, self.counts)
+            self.logits.copy_(self.model.output(self.model.norm(h[:, 0])))
+        self.pos += self.active
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, active: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Append one token per row (B,) at each row's next position; returns the next logits (B, V).
-        active (B,) bools (a list or a tensor): rows still generating; the others are never routed global."""
-        if max(self.host_pos) >= self.capacity:
+    def step(self, tokens: torch.Tensor, active=None) -> torch.Tensor:
+        """Append one token per row (B,) at each row's next position; returns the next logits (B, V), a buffer
+        the next step overwrites. active (B,) bools (a tensor or a list): rows still generating; the others keep
+        their position and are never routed global."""
+        if self.prompt_max + self.steps_run >= self.capacity:
             raise ValueError(f"the cache is full ({self.capacity} positions); build the Decoder with more capacity")
-        B = tokens.shape[0]
-        act = [True] * B if active is None else [bool(a) for a in active]
-        valid = torch.tensor(act, dtype=torch.bool, device=self.device)
-        s = StepInfo(self.pos, self.host_pos, self.cos[self.pos], self.sin[self.pos], valid, sum(act))
-        h = self.model.tok_embeddings(tokens.to(self.device)[:, None])  # (B, 1, d)
-        for block, st in zip(self.blocks, self.states):
-            h = h + step_layer(block.attention, st, block.attention_norm(h), s, self.stats)
-            h = h + block.feed_forward(block.ffn_norm(h))
-        self.pos += 1
-        self.host_pos = [p + 1 for p in self.host_pos]
-        return self.model.output(self.model.norm(h[:, 0]))
+        self.tokens.copy_(tokens.reshape(-1), non_blocking=True)
+        if active is not None:
+            self.active.copy_(torch.as_tensor(active, dtype=torch.bool).to(self.device, non_blocking=True))
+        if self.device.type != "cuda":
+            self._step()
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            self._warm_or_capture()
+        self.steps_run += 1
+        self.stats.layer_steps += self.n_logo
+        return self.logits
+
+    def _warm_or_capture(self) -> None:
+        """The first step after an allocation runs eagerly on a side stream (it compiles the kernels and sets up
+        the libraries' workspaces, which a capture may not do); the second is recorded on that stream, then
+        replayed."""
+        side = self._side = getattr(self, "_side", None) or torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        if self.steps_run == 0:
+            with torch.cuda.stream(side):
+                self._step()
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=side):
+                self._step()
+            self.graph.replay()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def read_stats(self) -> DecodeStats:
+        """The routing counts so far (one host read)."""
+        rows, selected, skipped = (int(x) for x in self.counts.tolist())
+        self.stats.rows, self.stats.selected, self.stats.skipped = rows, selected, skipped
+        return self.stats
 
 
+def _free_bytes(device: torch.device) -> Optional[int]:
+    """Memory free for the caches on `device` (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _layer_cache_bytes(attn, kind: str, capacity: int, dtype) -> int:
+    """Bytes of one row's caches of a layer (keys and values)."""
+    H, D = attn.n_heads, attn.head_dim
+    g = H if kind == "logo" else _n_global_heads(attn, kind)
+    ring = H - _n_global_heads(attn, kind) if kind != "logo" else H
+    slots = min(attn.attn_cfg.window, capacity)
+    return 2 * D * (g * capacity + ring * slots) * torch.empty(0, dtype=dtype).element_size()
+
+
+# --- generation ------------------------------------------------------------------------------------------------
 @dataclass
 class Generation:
     tokens: list[list[int]]  # new tokens per row (stop token excluded)
@@ -226,33 +356,98 @@ class Generation:
     cache_bytes: int = 0
 
 
+def choose(logits: torch.Tensor, temperature: float, top_p: float,
+           generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next tokens (B,) from logits (B, V) on the device: argmax at temperature 0, else a sample of the softmax at
+    that temperature restricted to the smallest set of tokens whose probabilities reach top_p."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # tokens after the nucleus is full
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+_DECODERS: dict = {}  # (model id, capacity bucket) -> the last Decoder: its caches and CUDA graph are reused
+
+
+def decoder_for(model, capacity: int) -> Decoder:
+    """A Decoder with room for `capacity` positions, kept per model (one at a time): a capacity rounded up to a
+    multiple of 1024 reuses the caches and graph of the previous call."""
+    bucket = -(-capacity // 1024) * 1024
+    device = next(model.parameters()).device.type
+    key = (id(model), bucket, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device))
+    dec = _DECODERS.get(key)
+    if dec is None or dec.model is not model:
+        _DECODERS.clear()  # one set of caches at a time: they are large
+        dec = _DECODERS[key] = Decoder(model, bucket)
+    return dec
+
+
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Optional[set] = None,
-             return_logits: bool = False, stop_fn: Optional[Callable[[int, list], bool]] = None) -> Generation:
-    """Greedy decoding with caches for a batch of prompts (right-padded); a row stops at a stop id (not kept),
-    when stop_fn(row, its new tokens) is true (e.g. a stop string appeared), or after max_new_tokens. Argmax
-    is taken over the real vocabulary (padded ids are never emitted)."""
+             return_logits: bool = False, stop_fn: Optional[Callable[[int, list], bool]] = None,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> Generation:
+    """Decode a batch of prompts (right-padded); a row stops at a stop id (not kept), when stop_fn(row, its new
+    tokens) is true (checked every CHECK_EVERY steps; the row is cut where it first held), or after
+    max_new_tokens. Greedy at temperature 0, else sampled (top_p, seed). Ids past the real vocabulary (padding)
+    are never emitted."""
     vocab = model.cfg.vocab_size
-    dec = Decoder(model, max(len(p) for p in prompts) + max(1, max_new_tokens))
-    logits = dec.prefill(prompts)
+    bad = sorted(i for i in (stop_ids or ()) if not 0 <= int(i) < vocab)
+    if bad:
+        raise ValueError(f"stop ids {bad} are not tokens of this model's vocabulary (0..{vocab - 1})")
     B = len(prompts)
-    out: list[list[int]] = [[] for _ in range(B)]
-    rec: list[list[torch.Tensor]] = [[] for _ in range(B)]
-    done = [max_new_tokens <= 0] * B
-    while not all(done):
-        nxt = logits[:, :vocab].argmax(-1).tolist()
-        for b in range(B):
-            if done[b]:
-                continue
-            if return_logits:
-                rec[b].append(logits[b].cpu())
-            if stop_ids and nxt[b] in stop_ids:
-                done[b] = True
-                continue
-            out[b].append(nxt[b])
-            done[b] = len(out[b]) >= max_new_tokens or bool(stop_fn and stop_fn(b, out[b]))
-        if all(done):
-            break
-        logits = dec.step(torch.tensor(nxt, device=dec.device), [not d for d in done])
-    return Generation(out, [torch.stack(r) if r else torch.zeros(0) for r in rec] if return_logits else None,
-                      dec.stats.as_dict(), dec.cache_bytes)
+    dec = decoder_for(model, max(len(p) for p in prompts) + max(1, max_new_tokens))
+    logits = dec.prefill(prompts)
+    dev = dec.device
+    before = dec.read_stats().as_dict()
+    gen = torch.Generator(dev).manual_seed(seed) if temperature > 0 else None
+    stops = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=dev)
+    out = torch.zeros(B, max(max_new_tokens, 1), dtype=torch.long, device=dev)
+    kept = torch.zeros_like(out, dtype=torch.bool)
+    active = torch.full((B,), max_new_tokens > 0, dtype=torch.bool, device=dev)
+    rec, cut, checked = [], [max_new_tokens] * B, 0
+    for t in range(max_new_tokens):
+        nxt = choose(logits[:, :vocab], temperature, top_p, gen)
+        if return_logits:
+            rec.append(logits[:, :vocab].clone())
+        emit = active & ~torch.isin(nxt, stops)
+        out[:, t], kept[:, t] = nxt, emit
+        active = emit & (t + 1 < max_new_tokens)
+        if (t + 1) % CHECK_EVERY == 0 or t + 1 == max_new_tokens:
+            active, checked = _host_check(out, kept, active, t + 1, checked, stop_fn, cut)
+            if not bool(active.any()):
+                break
+        logits = dec.step(nxt, active)
+    return _finish(out, kept, cut, rec, dec, before, return_logits)
+
+
+def _host_check(out, kept, active, n: int, checked: int, stop_fn, cut: list):
+    """Every CHECK_EVERY steps: rows whose stop_fn held at some step since the last check end there (`cut`)."""
+    if stop_fn is None:
+        return active, n
+    toks, keep = out[:, :n].tolist(), kept[:, :n].tolist()
+    act = active.tolist()
+    for b, (row, k) in enumerate(zip(toks, keep)):
+        mine = [x for x, y in zip(row, k) if y]
+        for m in range(checked + 1, len(mine) + 1):
+            if m <= cut[b] and stop_fn(b, mine[:m]):
+                cut[b], act[b] = m, False
+                break
+    return torch.tensor(act, dtype=torch.bool, device=out.device), n
+
+
+def _finish(out, kept, cut, rec, dec: Decoder, before: dict, return_logits: bool) -> Generation:
+    toks, keep = out.tolist(), kept.tolist()
+    rows = [[x for x, y in zip(r, k) if y][:c] for r, k, c in zip(toks, keep, cut)]
+    stats = dec.read_stats().as_dict()
+    stats = {k: stats[k] - before[k] for k in ("rows", "selected", "layer_steps", "skipped")}
+    stats["global_fraction"] = stats["selected"] / max(stats["rows"], 1)
+    stats["skipped_fraction"] = stats["skipped"] / max(stats["layer_steps"], 1)
+    logits = None
+    if return_logits:
+        steps = torch.stack(rec, 1).cpu() if rec else torch.zeros(len(rows), 0, 0)  # (B, n, V)
+        logits = [steps[b, :len(r) + (len(r) < steps.shape[1])] for b, r in enumerate(rows)]
+    return Generation(rows, logits, stats, dec.cache_bytes)

@@ -17,6 +17,7 @@ the same kernels, which it reaches through `local_ops` (never overridden).
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 from typing import Optional
 
@@ -165,6 +166,16 @@ def logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k,
     separate attention ops)."""
     return branches.logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window,
                                   keep_rotated, impl=attention_impl(q, backend))
+
+
+def decode_attention(q, k, v, lengths, active, scale: Optional[float] = None, backend: str = "auto"):
+    """Decoding: one query per row over its cache, q (B, H, D), k/v (B, H, S, D), lengths (B,), active (B,) bool
+    (inactive rows: zeros, no work): the Triton split-K kernel on CUDA (both GPU implementations), the reference
+    elsewhere. Not differentiable; static shapes, no host synchronisation (a decode step replays as one CUDA
+    graph)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    impl = "reference" if attention_impl(q, backend) == "reference" else "triton"
+    return ops.decode_attention(q, k, v, lengths, active, scale, impl)
 
 
 # The ops without any override (what an override calls after its own work).

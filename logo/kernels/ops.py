@@ -13,6 +13,10 @@ global v, one pass):
         -> (RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2)
     logo::rope_transform_bwd(gq, gk, gqy, gky, gvy, q, k, v, A, cos, sin, use_triton) -> (dq, dk, dv, dA)
 
+and decoding's attention (one query per row over a static KV cache, no backward):
+
+    logo::decode_attention(q, k, v, lengths, active, scale, impl) -> o
+
 (`logo.kernels.branches` runs rope_transform and both attention ops of a LoGo layer as one op pair.)
 
 rows None: every row a query (sliding window with window > 0, causal with window 0; seqlen > 0 says every sequence
@@ -176,6 +180,23 @@ def _every_row_a_query(q, k, v, cu_seqlens, window: int, scale, impl: str, seqle
     scale = _prepare(q, k, v, None, None, cu_seqlens, cu_seqlens, scale, impl)
     cu = _i32(cu_seqlens)
     return range_attention_fwd(q, k, v, None, None, cu, cu, scale, window, impl, int(seqlen))[0]
+
+
+@torch.library.custom_op("logo::decode_attention", mutates_args=())
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, active: Tensor, scale: float,
+                     impl: str) -> Tensor:
+    """Decoding's attention (`logo.kernels.reference.decode_attention`): one query per row q (B, H, D) over its
+    cache k, v (B, H, S, D), keys 0..lengths[b]-1, zeros for inactive rows. "triton": the split-K kernel
+    (`logo.kernels.triton._decode`), else the reference. No backward (inference only)."""
+    if impl == "reference":
+        return reference.decode_attention(q, k, v, lengths, active, scale)
+    from logo.kernels.triton import _decode
+    return _decode.decode_attention(q, k, v, lengths, active, scale)
+
+
+@decode_attention.register_fake
+def _(q, k, v, lengths, active, scale, impl):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _rope_impl(use_triton: bool):

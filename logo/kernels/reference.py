@@ -224,6 +224,22 @@ def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None):
     return _StaticAttention.apply(q, k, v, None, None, cu_seqlens, cu_seqlens, scale, 0)
 
 
+def decode_attention(q, k, v, lengths, active, scale: Optional[float] = None) -> torch.Tensor:
+    """One query per row over that row's cache (decoding): q (B, H, D); k, v (B, H, S, D) the static caches; row b
+    attends its keys 0..lengths[b]-1; rows with active[b] False (and rows with no key) give zeros. (B, H, D) in
+    q's dtype, computed in at least fp32 over the whole static capacity (the kernel skips what is masked). Static
+    shapes, no host synchronisation (`logo.kernels.triton._decode` is the GPU kernel)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    cdt = _cdt(q)
+    s = torch.einsum("bhd,bhsd->bhs", q.to(cdt), k.to(cdt)) * scale  # (B, H, S)
+    seen = (torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]) & active[:, None]  # (B, S)
+    s = s.masked_fill(~seen[:, None, :], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))  # (B, H, S); zero where unseen
+    o = torch.einsum("bhs,bhsd->bhd", e, v.to(cdt)) / e.sum(-1, keepdim=True).clamp_min(torch.finfo(cdt).tiny)
+    return o.to(q.dtype)
+
+
 def positions_in_sequence(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
     """(n,) int32 position of each packed row inside its sequence."""
     idx = torch.arange(n, device=cu_seqlens.device)
