@@ -9,9 +9,9 @@ eagerly, the second records the CUDA graph), then `--new-tokens` timed greedy st
 `logo.eval.decode.Decoder` (argmax on the device: no host synchronisation between steps). Reported: prefill
 seconds, warm-up seconds (compiling and recording the step), ms per step and tokens/s (B x steps / time), cache
 GiB (dense caches + ring buffers), peak GPU memory, and for LoGo the realized global fraction of decode rows and
-the fraction of (layer, step) pairs where no row was routed global (the global kernel did no work). Kinds `logo_all_local` / `logo_all_global` force the threshold and
-bracket what routing can change. Random weights route about half the tokens (p ~ 0.5 around b = 0.5); pass
-`--checkpoint` for a trained model's routing.
+the fraction of (layer, step) pairs where no row was routed global (the global kernel did no work). Kinds
+`logo_all_local` / `logo_all_global` force the threshold and bracket what routing can change. Random weights
+route about half the tokens (p ~ 0.5 around b = 0.5); pass `--checkpoint` for a trained model's routing.
 
 The anchor (`--anchor transformers`, on by default on GPU): the full-attention model's weights mapped to
 `LlamaForCausalLM` by the exporter's converter (`logo.export.convert.to_hf`), the same prompts, greedy
