@@ -76,7 +76,7 @@ def test_wandb_offline_and_tensorboard_get_per_layer_keys(tmp_path, default_corp
     assert state["wandb_id"] == first_id  # stored with the checkpoint
 
     # resume (the same run dir, a longer schedule): the same W&B run continues with the later steps
-    run_train(*args, "train.steps=4")
+    run_train(*args, "train.steps=4", "run.extend=true")
     keys, steps, ids = history_keys(tmp_path)
     assert ids == {first_id}
     assert {3, 4} <= steps

@@ -397,7 +397,7 @@ def test_logo_layer_triton_equals_reference():
     from logo.model.logo_attention import LoGoAttention
     D = HEAD_DIMS[0]
     outs = {}
-    for backend in (backend, "reference"):
+    for backend in ("triton", "reference"):
         torch.manual_seed(0)
         cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1,
                           attention=AttentionConfig(kind="logo", window=8, backend=backend, gate_init_std=0.5))
