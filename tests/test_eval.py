@@ -1,9 +1,11 @@
 """`python -m logo.eval` on a tiny checkpoint trained here (2 steps on CPU, held-out eval on): held-out loss in
 metrics.jsonl, perplexity vs per-token losses computed directly, RULER pipeline and JSON, lm-eval on local
-tasks (log-likelihoods vs the model's own log-probs), span-allocation PNGs, and one-line errors."""
+tasks (log-likelihoods vs the model's own log-probs), span-allocation PNGs, one-line errors, and the progress
+bars and closing summary line of every command."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,10 +102,102 @@ def test_cli_perplexity_writes_results_and_metrics(run):
     assert last["step"] == 2 and last["eval/ppl"] == pytest.approx(rec["results"]["ppl"])
 
 
-def test_ruler_pipeline_and_json(run):
+def _summary(stdout: str) -> tuple[str, int, str]:
+    """The closing line of a command: (what, tokens, what it wrote); fails unless it is the summary line."""
+    last = stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"(\w+): ([0-9,]+) tokens in [0-9.]+ s \(([0-9,]+) tokens/s\); wrote (.+)", last)
+    assert m, last
+    return m[1], int(m[2].replace(",", "")), m[4]
+
+
+def test_perplexity_progress_bar_and_summary_line(run, capsys):
+    d = run[0]
+    assert main(["perplexity", str(d), "--tokens", "256", "--device", "cpu", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert _summary(out) == ("perplexity", 256, str(d / "eval" / "perplexity.json"))
+    frames = [f for f in err.replace("\r", "\n").splitlines() if f.startswith("perplexity [val]")]
+    assert frames and "256/256" in frames[-1] and "tok/s" in frames[-1], err
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal_or_when_turned_off(run, capsys):
+    for flags in ([], ["--no-progress"]):
+        assert main(["perplexity", str(run[0]), "--tokens", "128", "--device", "cpu", *flags]) == 0
+        out, err = capsys.readouterr()
+        assert "perplexity [val]" not in err and "tok/s" not in err, err
+        assert _summary(out)[:2] == ("perplexity", 128)
+
+
+def test_ruler_progress_counts_prompt_and_generated_tokens(loaded, capsys, monkeypatch):
+    from data.tokenizer import load_tokenizer
+    from logo.eval import decode
+    from logo.eval.progress import Progress
+    from logo.eval.ruler import NeedleTaskBuilder, run_ruler
+
+    def two_tokens_each(model, prompts, max_new_tokens, stop_ids=None, **kw):  # a decoder that always writes 2
+        return decode.Generation([[11, 12] for _ in prompts])
+    monkeypatch.setattr(decode, "generate", two_tokens_each)
+    tok = load_tokenizer(loaded.cfg.data.tokenizer)
+    progress = Progress(enabled=True)
+    run_ruler(loaded.model, tok, [100], ["s_niah_1"], samples=3, batch_size=2, max_new_tokens=4, progress=progress)
+    prompts = sum(NeedleTaskBuilder(tok).sample("s_niah_1", 100, i).prompt_tokens for i in range(3))
+    assert progress.tokens == prompts + 3 * 2
+    frames = [f for f in capsys.readouterr().err.replace("\r", "\n").splitlines() if f.startswith("ruler")]
+    assert frames and "3/3" in frames[-1] and "prompt" in frames[-1] and "tok/s" in frames[-1], frames
+
+
+def test_lm_eval_progress_counts_the_scored_tokens(loaded, capsys):
+    from logo.eval.lm_eval_adapter import LogoLM
+    from logo.eval.progress import Progress
+    lm = LogoLM(loaded=loaded, batch_size=2, progress=Progress(enabled=True))
+    pairs = [("The capital of France is", " Paris"), ("x", " = 1"), ("Two plus", " two")]
+    lm.loglikelihood(_instances("loglikelihood", pairs))
+    assert lm.progress.tokens == sum(len(lm.tok.encode_ordinary(c + x)) - 1 for c, x in pairs)
+    frames = [f for f in capsys.readouterr().err.replace("\r", "\n").splitlines() if f.startswith("loglikelihood")]
+    assert frames and "3/3" in frames[-1] and "tok/s" in frames[-1], frames
+    assert LogoLM(loaded=loaded, progress="false").progress.enabled is False
+
+
+def _corpus_with_val(tmp_path, val_tokens: list) -> Path:
+    """A prepared corpus (one training document) whose validation split holds `val_tokens` (one document)."""
+    import numpy as np
+
+    from data.format import atomic_write_json, file_sha256
+    from data.prepare import prepare
+    out = tmp_path / f"corpus_val{len(val_tokens)}"
+    manifest = prepare(["A short training document."], out, {"kind": "test"}, val_fraction=0.0, progress=False)
+    shards = []
+    if val_tokens:
+        np.asarray(val_tokens, dtype=np.uint32).tofile(out / "val_00000.bin")
+        np.asarray([len(val_tokens)], dtype=np.uint64).tofile(out / "val_00000.idx")
+        shards = [{"name": "val_00000", "num_tokens": len(val_tokens), "num_documents": 1,
+                   "sha256": file_sha256(out / "val_00000.bin"), "idx_sha256": file_sha256(out / "val_00000.idx")}]
+    manifest["splits"]["val"] = {"num_tokens": len(val_tokens), "num_documents": len(shards), "shards": shards}
+    manifest["num_tokens"] += len(val_tokens)
+    manifest["num_documents"] += len(shards)
+    atomic_write_json(out / "manifest.json", manifest)
+    return out
+
+
+@pytest.mark.parametrize("val_tokens", [[], [100257]])
+def test_perplexity_on_an_empty_split_is_one_line_error(run, tmp_path, capsys, val_tokens):
+    corpus = _corpus_with_val(tmp_path, val_tokens)
+    assert main(["perplexity", str(run[0]), "--data", str(corpus), "--device", "cpu", "--progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: split 'val' of the corpus {corpus} has {len(val_tokens)} token"), err
+
+
+def test_ruler_pipeline_and_json(run, capsys):
     d = run[0]
     assert main(["ruler", str(d), "--lengths", "100,128", "--tasks", "s_niah_1,s_niah_2", "--samples", "2",
                  "--batch-size", "2", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    from data.tokenizer import load_tokenizer
+    from logo.eval.ruler import NeedleTaskBuilder
+    builder = NeedleTaskBuilder(load_tokenizer("cl100k_base"))
+    prompts = sum(builder.sample(t, n, i).prompt_tokens for t in ("s_niah_1", "s_niah_2") for n in (100, 128)
+                  for i in range(2))
+    what, tokens, wrote = _summary(capsys.readouterr().out)
+    assert (what, wrote) == ("ruler", str(d / "eval" / "ruler.json")) and prompts <= tokens <= prompts + 8 * 4
     res = json.loads((d / "eval" / "ruler.json").read_text())["results"]
     assert set(res["scores"]) == {"s_niah_1", "s_niah_2"}
     for per in res["scores"].values():
@@ -181,10 +275,32 @@ def test_lm_eval_generate_until_is_greedy_and_stops(loaded):
     assert cut == [ref[0].split(stop)[0]]
 
 
-def test_lm_eval_local_tasks_end_to_end(run):
+
+def test_lm_eval_generate_until_samples_when_asked(loaded):
+    """do_sample with a temperature samples through `generate` (seed 0); a nucleus of one is greedy; bad settings
+    end in one error naming them."""
+    from logo.eval.decode import generate
+    from logo.eval.lm_eval_adapter import LogoLM
+    from logo.eval.load import EvalError
+    lm = LogoLM(loaded=loaded, batch_size=2)
+    ctxs = ["The sky on a clear day is", "Two plus two"]
+    ids = [lm.tok.encode_ordinary(c) for c in ctxs]
+    sample = {"until": [], "max_gen_toks": 6, "do_sample": True, "temperature": 1.5}
+    out = lm.generate_until(_instances("generate_until", [(c, sample) for c in ctxs]))
+    ref = generate(loaded.model, ids, 6, {lm.eot_token_id}, temperature=1.5, top_p=1.0, seed=0).tokens
+    assert out == [lm.tok.decode(r) for r in ref]
+    greedy = lm.generate_until(_instances("generate_until", [(c, {"until": [], "max_gen_toks": 6}) for c in ctxs]))
+    nucleus = lm.generate_until(_instances("generate_until", [(c, {**sample, "top_p": 1e-6}) for c in ctxs]))
+    assert nucleus == greedy
+    with pytest.raises(EvalError, match="top_p=2.0"):
+        lm.generate_until(_instances("generate_until", [(ctxs[0], {**sample, "top_p": 2.0})]))
+
+def test_lm_eval_local_tasks_end_to_end(run, capsys):
     d = run[0]
     assert main(["lm_eval", str(d), "--tasks", "logo_tiny_mc,logo_tiny_rolling,logo_tiny_gen",
                  "--include-path", str(FIXTURES), "--batch-size", "4", "--device", "cpu"]) == 0
+    what, tokens, wrote = _summary(capsys.readouterr().out)
+    assert (what, wrote) == ("lm_eval", str(d / "eval" / "lm_eval.json")) and tokens > 0
     res = json.loads((d / "eval" / "lm_eval.json").read_text())["results"]
     assert 0.0 <= res["logo_tiny_mc"]["acc,none"] <= 1.0
     assert res["logo_tiny_rolling"]["word_perplexity,none"] > 1.0
@@ -203,19 +319,38 @@ def test_lm_eval_command_line_with_the_logo_model(run):
     assert "logo_tiny_mc" in p.stdout and "acc" in p.stdout
 
 
-def test_span_cli_writes_figures(run, tmp_path):
-    texts = []
-    for name, body in (("prose", "The grass is green. The sky is blue. " * 30), ("code", "def f(x):\n    return x\n" * 40)):
-        texts.append(tmp_path / f"{name}.txt")
-        texts[-1].write_text(body)
+def _texts(tmp_path, *names):
+    bodies = {"prose": "The grass is green. The sky is blue. " * 30, "code": "def f(x):\n    return x\n" * 40}
+    for name in names:
+        (tmp_path / f"{name}.txt").write_text(bodies[name])
+    return [str(tmp_path / f"{name}.txt") for name in names]
+
+
+def test_span_cli_writes_one_figure_per_output(run, tmp_path, capsys):
+    """The span-statistics figure (one row per text), one word-level figure per text and the JSON: nothing else,
+    and no two files alike."""
     out = tmp_path / "span"
-    assert main(["span", str(run[0]), "--text", *map(str, texts), "--out", str(out), "--device", "cpu"]) == 0
-    for f in ("span_allocation.png", "prose_allocation.png", "prose_words.png", "code_allocation.png",
-              "code_words.png"):
+    assert main(["span", str(run[0]), "--text", *_texts(tmp_path, "prose", "code"), "--out", str(out),
+                 "--device", "cpu"]) == 0
+    files = {"span_allocation.png", "prose_words.png", "code_words.png", "span_allocation.json"}
+    assert {f.name for f in out.iterdir()} == files
+    for f in files - {"span_allocation.json"}:
         assert (out / f).stat().st_size > 1000, f
+    assert len({(out / f).read_bytes() for f in files}) == len(files)
     rep = json.loads((out / "span_allocation.json").read_text())["texts"]
     assert set(rep) == {"prose", "code"} and len(rep["prose"]["layer_ratio"]) == 4
     assert sum(rep["code"]["global_layers_histogram"]) == rep["code"]["tokens"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    n = rep["prose"]["tokens"] + rep["code"]["tokens"]
+    assert re.fullmatch(rf"span: {n:,} tokens in [0-9.]+ s \([0-9,]+ tokens/s\); wrote {re.escape(str(out))}/ "
+                        r"\(span_allocation.png, prose_words.png, code_words.png, span_allocation.json\)", last), last
+
+
+def test_span_of_one_text_writes_no_duplicate(run, tmp_path):
+    out = tmp_path / "span"
+    assert main(["span", str(run[0]), "--text", *_texts(tmp_path, "prose"), "--out", str(out), "--device", "cpu"]) == 0
+    assert {f.name for f in out.iterdir()} == {"span_allocation.png", "prose_words.png", "span_allocation.json"}
+    assert (out / "span_allocation.png").read_bytes() != (out / "prose_words.png").read_bytes()
 
 
 def test_word_spans_average_tokens_and_keep_split_characters():

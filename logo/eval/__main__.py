@@ -7,8 +7,9 @@
 
 Results: <run_dir>/eval/{perplexity,ruler,lm_eval}.json and a record in <run_dir>/metrics.jsonl (plus W&B /
 TensorBoard when the run logs there); span writes PNGs + span_allocation.json (default <run_dir>/eval/span).
-A bad input (missing checkpoint, unknown task, a length the model cannot take, ...) ends with one line
-`error: ...` and exit code 2. See docs/evaluation.md.
+Progress bars go to stderr when it is a terminal (--progress / --no-progress to choose); every command ends
+with one line: tokens, seconds, tokens/s and what it wrote. A bad input (missing checkpoint, unknown task, a
+length the model cannot take, ...) ends with one line `error: ...` and exit code 2. See docs/evaluation.md.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import argparse
 import json
 import logging
 import sys
-import warnings
 from pathlib import Path
 
 
@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoints/step_N folder")
         p.add_argument("--device", default="auto", help="auto (cuda if visible) | cpu | cuda[:i]")
         p.add_argument("--dtype", default="auto", help="auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16")
+        p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bars with tokens/s on stderr (default: only when stderr is a terminal)")
         return p
 
     p = command("perplexity", "perplexity on a held-out split, overall and by context position")
@@ -74,15 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _perplexity(a, loaded) -> dict:
+def _perplexity(a, loaded, progress) -> dict:
     from logo.eval.perplexity import perplexity, perplexity_metrics
-    res = perplexity(loaded, a.data, a.split, a.seq_len, a.tokens, a.bucket_size, a.batch_size)
+    res = perplexity(loaded, a.data, a.split, a.seq_len, a.tokens, a.bucket_size, a.batch_size, progress)
     return {"results": res, "metrics": perplexity_metrics(res),
             "summary": f"loss {res['loss']:.4f}  ppl {res['ppl']:.3f}  ({res['tokens']:,} tokens of "
                        f"{res['dataset']} [{res['split']}], seq_len {res['seq_len']})"}
 
 
-def _ruler(a, loaded) -> dict:
+def _ruler(a, loaded, progress) -> dict:
     from data.tokenizer import load_tokenizer
     from logo.eval.load import EvalError
     from logo.eval.ruler import check_request, ruler_metrics, run_ruler
@@ -92,23 +94,23 @@ def _ruler(a, loaded) -> dict:
         raise EvalError(f"--samples, --batch-size and --max-new-tokens must be >= 1 "
                          f"(got {a.samples}, {a.batch_size}, {a.max_new_tokens})")
     res = run_ruler(loaded.model, load_tokenizer(loaded.cfg.data.tokenizer), a.lengths, tasks, a.samples,
-                    a.batch_size, a.max_new_tokens, a.seed, loaded.autocast())
+                    a.batch_size, a.max_new_tokens, a.seed, loaded.autocast(), progress)
     return {"results": res, "metrics": ruler_metrics(res),
             "summary": "  ".join(f"avg@{n} {v:.1f}" for n, v in res["average"].items())}
 
 
-def _lm_eval(a, loaded) -> dict:
+def _lm_eval(a, loaded, progress) -> dict:
     from logo.eval.lm_eval_run import lm_eval_metrics, run_lm_eval
     res = run_lm_eval(loaded, a.tasks.split(","), a.include_path, a.num_fewshot, a.limit, a.batch_size,
-                      a.max_length, a.max_gen_toks)
+                      a.max_length, a.max_gen_toks, progress)
     return {"results": res, "metrics": lm_eval_metrics(res), "summary": json.dumps(res)}
 
 
-def _span(a, loaded) -> dict:
+def _span(a, loaded, progress) -> dict:
     from logo.eval.span import span_analysis
     out = Path(a.out) if a.out else loaded.run_dir / "eval" / "span"
-    rep = span_analysis(loaded, a.text, out, a.max_tokens, a.max_words)
-    return {"summary": f"wrote {out}/span_allocation.png and per-text PNGs for {', '.join(rep)}"}
+    files = span_analysis(loaded, a.text, out, a.max_tokens, a.max_words, progress)
+    return {"wrote": f"{out}/ ({', '.join(f.name for f in files)})"}
 
 
 def main(argv=None) -> int:
@@ -116,21 +118,23 @@ def main(argv=None) -> int:
     from data.tokenizer import TokenizerError
     from logo.config import ConfigError
     from logo.eval.load import EvalError, load_model
+    from logo.eval.progress import Progress
     from logo.eval.results import log_metrics, save_results
     from logo.train.checkpoint import CheckpointError
 
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     try:
         loaded = load_model(a.checkpoint, a.device, a.dtype)
-        out = {"perplexity": _perplexity, "ruler": _ruler, "lm_eval": _lm_eval, "span": _span}[a.what](a, loaded)
+        progress = Progress(a.progress)  # the summary's seconds: the evaluation, the model's loading aside
+        command = {"perplexity": _perplexity, "ruler": _ruler, "lm_eval": _lm_eval, "span": _span}[a.what]
+        out = command(a, loaded, progress)
+        progress.finish()
         if "results" in out:
-            path = save_results(loaded, a.what, out["results"])
+            out["wrote"] = save_results(loaded, a.what, out["results"])
             log_metrics(loaded, out["metrics"])
-            print(f"{a.what} of {loaded.checkpoint} (step {loaded.step}): {out['summary']}\nwrote {path}")
-        else:
-            print(out["summary"])
+            print(f"{a.what} of {loaded.checkpoint} (step {loaded.step}): {out['summary']}")
+        print(progress.summary(a.what, out["wrote"]))
     except (ConfigError, DataError, CheckpointError, TokenizerError, EvalError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -9,8 +9,9 @@ from logo.eval.load import EvalError, Loaded
 
 def run_lm_eval(loaded: Loaded, tasks: list[str], include_path: Optional[str] = None,
                 num_fewshot: Optional[int] = None, limit: Optional[float] = None, batch_size: int = 8,
-                max_length: Optional[int] = None, max_gen_toks: int = 256) -> dict:
-    """{task: {metric: value}} (numeric metrics as lm-eval names them, e.g. "acc,none")."""
+                max_length: Optional[int] = None, max_gen_toks: int = 256, progress=None) -> dict:
+    """{task: {metric: value}} (numeric metrics as lm-eval names them, e.g. "acc,none"). `progress` (a
+    `logo.eval.progress.Progress`): the bars of the model's request loops and their token count."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -21,7 +22,8 @@ def run_lm_eval(loaded: Loaded, tasks: list[str], include_path: Optional[str] = 
     if not tasks or unknown:
         raise EvalError(f"unknown lm-eval task(s) {unknown or tasks}; list them with `lm_eval ls tasks`"
                         f"{' --include_path ' + include_path if include_path else ''}")
-    lm = LogoLM(loaded=loaded, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks)
+    lm = LogoLM(loaded=loaded, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks,
+                progress=progress)
     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
                                   log_samples=False, bootstrap_iters=0)
     return {task: {k: float(v) for k, v in metrics.items()

@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 
 from data.format import DataError
-from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
+from data.loader import IGNORE_INDEX, Batch, ShardDataset, TokenLoader
 from logo.config import ConfigError
 from logo.eval.load import Loaded
+from logo.eval.progress import Progress
 from logo.eval.scoring import context_positions, hidden_states, token_logprobs
 
 
@@ -34,10 +35,45 @@ def default_bucket_size(seq_len: int) -> int:
     return max(1, seq_len // 8)
 
 
-@torch.no_grad()
+def _window_budget(split_tokens: int, T: int, tokens: int) -> tuple[int, int]:
+    """(windows to read, tokens they predict) for a split of `split_tokens` and a budget of `tokens` (0: all)."""
+    windows = -(-(split_tokens - 1) // T)
+    if tokens:
+        windows = min(windows, -(-tokens // T))
+    return windows, min(windows * T, split_tokens - 1)
+
+
+def _first_rows(b: Batch, rows: int) -> Batch:
+    """The batch's first `rows` rows (their document offsets included): rows past the budget never run."""
+    if rows >= b.inputs.shape[0]:
+        return b
+    T = b.inputs.shape[1]
+    cu = None if b.cu_seqlens is None else b.cu_seqlens[b.cu_seqlens <= rows * T]
+    return Batch(b.inputs[:rows], b.labels[:rows], cu, b.valid[:rows])
+
+
+def _score_batch(loaded: Loaded, b: Batch, bucket: int, loss_sum: torch.Tensor, count: torch.Tensor) -> int:
+    """Add the batch's per-bucket losses (on the device) and token counts (on the host); returns its tokens."""
+    model, dev = loaded.model, loaded.device
+    labels = b.labels.flatten()
+    keep = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # (n,) on the host: no device read
+    idx = (context_positions(model, *b.inputs.shape, b.cu_seqlens).flatten()[keep] // bucket).clamp_max(
+        count.shape[0] - 1)
+    with loaded.autocast():
+        h = hidden_states(model, b.inputs.to(dev), None if b.cu_seqlens is None else b.cu_seqlens.to(dev),
+                          b.valid.to(dev))
+        logp, _ = token_logprobs(model, h.flatten(0, 1)[keep.to(dev)], labels[keep].to(dev), greedy=False)
+    loss_sum.index_add_(0, idx.to(dev), -logp.double())
+    count += torch.bincount(idx, minlength=count.shape[0])
+    return int(keep.shape[0])
+
+
+@torch.inference_mode()
 def perplexity(loaded: Loaded, data: Optional[str] = None, split: str = "val", seq_len: Optional[int] = None,
-               tokens: int = 0, bucket_size: Optional[int] = None, batch_size: int = 4) -> dict:
-    """Results dict: dataset, split, seq_len, tokens, loss, ppl, buckets [{start, end, tokens, loss, ppl}]."""
+               tokens: int = 0, bucket_size: Optional[int] = None, batch_size: int = 4,
+               progress: Optional[Progress] = None) -> dict:
+    """Results dict: dataset, split, seq_len, tokens, loss, ppl, buckets [{start, end, tokens, loss, ppl}].
+    `progress`: its bar shows the predicted tokens (none drawn when not given)."""
     T = seq_len or loaded.seq_len
     bucket = bucket_size or default_bucket_size(T)
     for name, v in (("seq_len", T), ("bucket_size", bucket), ("batch_size", batch_size)):
@@ -50,27 +86,20 @@ def perplexity(loaded: Loaded, data: Optional[str] = None, split: str = "val", s
         raise DataError(f"{path} is not a prepared corpus (no manifest.json); make one with python -m data.prepare")
     ds = ShardDataset(path, split, tokenizer=loaded.cfg.data.tokenizer)
     if ds.num_tokens < 2:
-        raise DataError(f"{path} split {split!r} has {ds.num_tokens} tokens: nothing to predict")
+        raise DataError(f"split {split!r} of the corpus {path} has {ds.num_tokens} token"
+                        f"{'' if ds.num_tokens == 1 else 's'}: perplexity needs at least 2 (a context and a token "
+                        f"to predict)")
     loader = TokenLoader(ds, T, batch_size, batch_size, document_mask=loaded.cfg.data.document_mask)
-    n_windows = -(-(ds.num_tokens - 1) // T)
-    if tokens:
-        n_windows = min(n_windows, -(-tokens // T))
+    n_windows, to_predict = _window_budget(ds.num_tokens, T, tokens)
     n_buckets = -(-T // bucket)
-    loss_sum = torch.zeros(n_buckets, dtype=torch.float64)
+    loss_sum = torch.zeros(n_buckets, dtype=torch.float64, device=loaded.device)
     count = torch.zeros(n_buckets, dtype=torch.int64)
-    model, dev = loaded.model, loaded.device
-    for j, b in enumerate(loader.iter_eval(max_batches=-(-n_windows // batch_size))):
-        labels = b.labels.clone()
-        labels[n_windows - j * batch_size:] = IGNORE_INDEX  # rows past the token budget
-        with loaded.autocast():
-            h = hidden_states(model, b.inputs.to(dev), None if b.cu_seqlens is None else b.cu_seqlens.to(dev),
-                              b.valid.to(dev))
-            logp, _ = token_logprobs(model, h.flatten(0, 1), labels.flatten().to(dev))
-        keep = labels.flatten() != IGNORE_INDEX
-        pos = context_positions(model, *b.inputs.shape, b.cu_seqlens).flatten()
-        idx = (pos[keep] // bucket).clamp_max(n_buckets - 1)
-        loss_sum.index_add_(0, idx, -logp.cpu().double()[keep])
-        count += torch.bincount(idx, minlength=n_buckets)
+    progress = progress or Progress(enabled=False)
+    with progress.bar(to_predict, f"perplexity [{split}]"):
+        for j, b in enumerate(loader.iter_eval(max_batches=-(-n_windows // batch_size))):
+            n = _score_batch(loaded, _first_rows(b, n_windows - j * batch_size), bucket, loss_sum, count)
+            progress.update(n, tokens=n)
+    loss_sum = loss_sum.cpu()
     total = int(count.sum())
     loss = float(loss_sum.sum() / max(total, 1))
     buckets = [{"start": i * bucket, "end": min((i + 1) * bucket, T), "tokens": int(count[i]),

@@ -164,13 +164,16 @@ def check_request(lengths: list[int], tasks: list[str], context: int) -> None:
 
 
 def run_ruler(model, tokenizer, lengths: list[int], tasks: Optional[list[str]] = None, samples: int = 50,
-              batch_size: int = 1, max_new_tokens: int = 64, seed: int = 0, autocast=None) -> dict:
+              batch_size: int = 1, max_new_tokens: int = 64, seed: int = 0, autocast=None,
+              progress=None) -> dict:
     """Scores x100 {"scores": {task: {length: s}}, "average": {length: s}} with KV-cache greedy decoding,
-    `batch_size` prompts at a time (right-padded), stopping at a newline or end of text."""
+    `batch_size` prompts at a time (right-padded), stopping at a newline or end of text. `progress` (a
+    `logo.eval.progress.Progress`): a bar over the prompts, counting prompt and generated tokens."""
     from contextlib import nullcontext
 
     from logo.eval.decode import generate
     from logo.eval.load import EvalError
+    from logo.eval.progress import Progress
     tasks = list(tasks or TASKS)
     builder = NeedleTaskBuilder(tokenizer, seed=seed)
     stop = {tokenizer.eot_token, *tokenizer.encode("\n")}
@@ -180,15 +183,19 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: Optional[list[str]] =
         if short:
             raise EvalError(f"RULER length {n} is too short for task {t!r}: its prompt needs "
                             f"{short[0].prompt_tokens} tokens without any haystack")
+    progress = progress or Progress(enabled=False)
     scores: dict[str, dict[str, float]] = {t: {} for t in tasks}
-    for (n, t), todo in items.items():
-        vals = []
-        for i in range(0, len(todo), batch_size):
-            batch = todo[i:i + batch_size]
-            with autocast or nullcontext():
-                out = generate(model, [tokenizer.encode(s.prompt) for s in batch], max_new_tokens, stop)
-            vals += [score(tokenizer.decode(ids), s.answers) for ids, s in zip(out.tokens, batch)]
-        scores[t][str(n)] = 100.0 * sum(vals) / len(vals)
+    with progress.bar(sum(map(len, items.values())), "ruler", unit="prompt"):
+        for (n, t), todo in items.items():
+            vals = []
+            for i in range(0, len(todo), batch_size):
+                batch = todo[i:i + batch_size]
+                prompts = [tokenizer.encode(s.prompt) for s in batch]
+                with autocast or nullcontext():
+                    out = generate(model, prompts, max_new_tokens, stop)
+                vals += [score(tokenizer.decode(ids), s.answers) for ids, s in zip(out.tokens, batch)]
+                progress.update(len(batch), tokens=sum(map(len, prompts)) + sum(map(len, out.tokens)))
+            scores[t][str(n)] = 100.0 * sum(vals) / len(vals)
     average = {str(n): sum(scores[t][str(n)] for t in tasks) / len(tasks) for n in lengths}
     return {"scores": scores, "average": average}
 

@@ -1,18 +1,21 @@
 """Per-token log-probabilities of a model, with the vocabulary head applied in chunks of positions, so a long
 sequence never materializes (B, T, V) logits (a 128k-token row would need 51 GB of fp32 logits).
 
-The distribution is softmax over the padded vocabulary, exactly the one the training loss uses.
+The distribution is softmax over the padded vocabulary, exactly the one the training loss uses, computed the
+way the training loss computes it (`logo.model.lm_head`'s chunked loss): one fp32 logits buffer serves every
+chunk and the softmax is taken in place in it. A fresh (rows, V) tensor per chunk and op costs more in page
+faults on a CPU than the arithmetic.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from logo.model.layers import PackedSeqs, rope_cos_sin
 
-CHUNK = 4096  # positions per head application
+CHUNK_ELEMENTS = 1 << 25  # logits per head application (128 MiB in fp32); at least one position per chunk
+IGNORE = -100
 
 
 def hidden_states(model, tokens: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
@@ -36,15 +39,42 @@ def context_positions(model, batch_size: int, seq_len: int, cu_seqlens: Optional
     return PackedSeqs.build(batch_size, seq_len, "cpu", cu_seqlens.cpu()).pos.view(batch_size, seq_len).long()
 
 
+def _head_operands(h: torch.Tensor, w: torch.Tensor):
+    """(h, w) in the autocast dtype when autocast is on for their device, as the model's head would run."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return h.to(dt), w.to(dt)
+    return h, w
+
+
 @torch.no_grad()
-def token_logprobs(model, h: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model, h: torch.Tensor, targets: torch.Tensor,
+                   greedy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """h (n, d) hidden states, targets (n,) next tokens -> (log p(target) (n,) fp32, target is the argmax over
-    the real vocabulary (n,) bool). Targets of -100 give 0 / False."""
-    vocab = model.cfg.vocab_size
-    logp, greedy = [], []
-    for i in range(0, h.shape[0], CHUNK):
-        logits = model.output(h[i:i + CHUNK]).float()  # (c, V)
-        t = targets[i:i + CHUNK]
-        logp.append(-F.cross_entropy(logits, t, reduction="none", ignore_index=-100))
-        greedy.append(logits[:, :vocab].argmax(-1) == t)
-    return torch.cat(logp), torch.cat(greedy)
+    the real vocabulary (n,) bool, or None when `greedy` is False). Targets of -100 give 0 / False."""
+    n, vocab = h.shape[0], model.cfg.vocab_size
+    hc, w = _head_operands(h, model.output.weight)
+    rows = max(1, CHUNK_ELEMENTS // w.shape[0])
+    logp = torch.zeros(n, dtype=torch.float32, device=h.device)
+    hits = torch.zeros(n, dtype=torch.bool, device=h.device) if greedy else None
+    buf = torch.empty(min(rows, n), w.shape[0], dtype=torch.float32, device=h.device)  # (rows, V)
+    with torch.autocast(h.device.type, enabled=False):
+        for s in range(0, n, rows):
+            t = targets[s:s + rows]
+            logits = _chunk_logits(buf, hc[s:s + rows], w)
+            target_logit = logits.gather(1, t.clamp_min(0).unsqueeze(1)).squeeze(1)
+            if hits is not None:
+                hits[s:s + rows] = logits[:, :vocab].argmax(1) == t
+            top = logits.amax(1, keepdim=True)
+            lse = top.squeeze(1) + logits.sub_(top).exp_().sum(1).log()  # in place: the logits are spent
+            logp[s:s + rows] = torch.where(t != IGNORE, target_logit - lse, 0.0)
+    return logp, hits
+
+
+def _chunk_logits(buf: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """h (c, d) @ w (V, d)^T written into the first c rows of the fp32 buffer."""
+    logits = buf[:h.shape[0]]
+    if h.dtype == torch.float32 and w.dtype == torch.float32:
+        return torch.mm(h, w.t(), out=logits)
+    return logits.copy_(h @ w.t())

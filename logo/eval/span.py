@@ -1,10 +1,11 @@
 """Span-allocation analysis of a checkpoint on text files (paper Sec. 4.5, App. D.3), as PNGs + JSON.
 
 For each text: the exact routing of every LoGo layer (`record_routing`) over the text in rows of the trained
-context; the layer-wise realized ratio and the distribution of how many layers route each token global
-(`<name>_allocation.png`, all texts in `span_allocation.png`, one row each, as the paper's figure), and the
-word-level view of the first row (`<name>_words.png`: each word coloured by the number of layers that gave
-the prediction of its tokens global span, averaged over its tokens). Numbers in `span_allocation.json`.
+context; the layer-wise realized ratio and the distribution of how many layers route each token global (one
+row per text in `span_allocation.png`, as the paper's figure), and the word-level view of the first row
+(`<name>_words.png`: each word coloured by the number of layers that gave the prediction of its tokens global
+span, averaged over its tokens). Numbers in `span_allocation.json`. One figure per output: a text's own
+allocation panels are its row of `span_allocation.png`, never a second file.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import Optional
 
 import torch
 
-from logo.analysis.span_allocation import (allocation_stats, plot_allocation, plot_domains, plot_words,
-                                           record_routing, word_scores, word_spans)
+from logo.analysis.span_allocation import (allocation_stats, plot_domains, plot_words, record_routing,
+                                           word_scores, word_spans)
 from logo.eval.load import EvalError, Loaded
+from logo.eval.progress import Progress
 
 
 def _name(path: Path, used: set) -> str:
@@ -42,9 +44,10 @@ def _rows(ids: list[int], T: int, pad: int):
     return tokens, valid
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def span_analysis(loaded: Loaded, texts: list[str], out_dir: Path, max_tokens: Optional[int] = None,
-                  max_words: int = 400) -> dict:
+                  max_words: int = 400, progress: Optional[Progress] = None) -> list[Path]:
+    """Write the figures and the JSON to out_dir; returns the files written. `progress` counts the tokens."""
     from data.tokenizer import load_tokenizer
     model = loaded.model
     if not model.logo_layer_ids:
@@ -53,7 +56,8 @@ def span_analysis(loaded: Loaded, texts: list[str], out_dir: Path, max_tokens: O
     tok = load_tokenizer(loaded.cfg.data.tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     T, L = loaded.seq_len, len(model.logo_layer_ids)
-    report, used = {}, set()
+    report, used, word_figures = {}, set(), []
+    progress = progress or Progress(enabled=False)
     for path in map(Path, texts):
         if not path.is_file():
             raise EvalError(f"text file {path} does not exist")
@@ -64,16 +68,17 @@ def span_analysis(loaded: Loaded, texts: list[str], out_dir: Path, max_tokens: O
         with loaded.autocast():
             z = torch.cat([record_routing(model, tokens[r:r + 1].to(loaded.device), valid=valid[r:r + 1].to(
                 loaded.device)) for r in range(tokens.shape[0])], dim=1)  # (L, R, T)
+        progress.update(tokens=len(ids))
         stats = {**allocation_stats(z, valid), "layer_ids": model.logo_layer_ids}
         name = _name(path, used)
-        plot_allocation(stats, name, str(out_dir / f"{name}_allocation.png"))
         n0 = int(valid[0].sum())
         scores = word_scores(z[:, :1])[0, :n0].tolist()
         words = word_spans([tok.decode_single_token_bytes(t) for t in ids[:n0]], scores)[:max_words]
-        plot_words(words, float(L), f"{name}: word-level span allocation", str(out_dir / f"{name}_words.png"))
+        word_figures.append(out_dir / f"{name}_words.png")
+        plot_words(words, float(L), f"{name}: word-level span allocation", str(word_figures[-1]))
         report[name] = {"file": str(path), **stats}
-    plot_domains(report, str(out_dir / "span_allocation.png"))
-    (out_dir / "span_allocation.json").write_text(json.dumps(
-        {"checkpoint": str(loaded.checkpoint), "step": loaded.step, "logo_layers": model.logo_layer_ids,
-         "texts": report}, indent=1))
-    return report
+    figure, numbers = out_dir / "span_allocation.png", out_dir / "span_allocation.json"
+    plot_domains(report, str(figure))
+    numbers.write_text(json.dumps({"checkpoint": str(loaded.checkpoint), "step": loaded.step,
+                                   "logo_layers": model.logo_layer_ids, "texts": report}, indent=1))
+    return [figure, *word_figures, numbers]
