@@ -1,7 +1,7 @@
 """Whole-model training step of every attention kind, same settings, one GPU, one run.
 
-    python benchmarks/model_step.py --out benchmarks/results/h100_model_step.json
-    python benchmarks/model_step.py --shapes 1.5b-8k --compile on --out benchmarks/results/h100_model_step_compiled.json
+    python benchmarks/model_step.py --out /tmp/model_step.json
+    python benchmarks/model_step.py --shapes 1.5b-8k --compile on --out /tmp/model_step_compiled.json
     python benchmarks/model_step.py --shapes tiny --kinds full,logo --steps 2 --warmup 0 --out /tmp/s.json  # CPU
     python benchmarks/model_step.py --shapes 1.5b-8k --kinds logo --set attention.recompute_branch_inputs=never
 
