@@ -12,10 +12,14 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from logo.train.config import register_configs
+from data.format import DataError
+from logo.config import ConfigError
+from logo.run.checkpoint import CheckpointError
+from logo.run.config import compose, register_configs, to_dataclass
+from logo.train.rundir import RunComplete, RunDirLocked
+from logo.train.trainer import TrainingDiverged, dry_run, train
 
 register_configs()
-log = logging.getLogger("logo")
 
 
 def composition_error(argv: list[str]) -> str:
@@ -25,9 +29,6 @@ def composition_error(argv: list[str]) -> str:
         return ""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-
-    from logo.config import ConfigError
-    from logo.train.config import compose
     try:
         compose(argv)
     except ConfigError:
@@ -54,13 +55,6 @@ def hydra_message(e: BaseException) -> str:
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from data.format import DataError
-    from logo.config import ConfigError
-    from logo.train.checkpoint import CheckpointError
-    from logo.train.config import to_dataclass
-    from logo.train.rundir import RunComplete, RunDirLocked
-    from logo.train.trainer import TrainingDiverged, dry_run, train
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         force=True)
     logging.getLogger("logo").disabled = False  # created at import time, before Hydra set up logging

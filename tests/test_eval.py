@@ -75,9 +75,9 @@ def test_heldout_eval_under_cuda_graphs_buckets_the_offsets_and_gives_the_same_l
     """With train.compile_mode=reduce-overhead the held-out evaluation pads each batch's document offsets to a
     bucketed length, as the training batches (`data.loader.bucket_doc_offsets`): the same loss."""
     from data.loader import ShardDataset, TokenLoader
-    from logo.eval.heldout import HeldOutEval
+    from logo.train.heldout import HeldOutEval
     from logo.eval.perplexity import corpus_path
-    from logo.train.config import compose
+    from logo.run.config import compose
     from logo.train.plan import make_plan
     train = TokenLoader(ShardDataset(corpus_path(loaded, None), "train"), T, 4, 2)
     losses = []

@@ -25,10 +25,10 @@ import logo  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from logo.export import ExportError, export  # noqa: E402
 from logo.export.__main__ import main as export_main  # noqa: E402
-from logo.export.reader import load_into  # noqa: E402
+from logo.run.hf import load_into  # noqa: E402
 from logo.model import Transformer  # noqa: E402
 from logo.train.checkpoint import Checkpointer  # noqa: E402
-from logo.train.config import compose  # noqa: E402
+from logo.run.config import compose  # noqa: E402
 
 PRESETS = ["full", "local", "inter_layer", "intra_layer", "logo", "inter_layer_logo", "logo_shared_params",
            "logo_full_params", "logo_so", "logo_no_contextnorm", "logo_so_no_contextnorm", "logo_additive",
@@ -313,7 +313,7 @@ def test_weights_written_in_shards_read_back_exactly(tmp_path, monkeypatch):
     from safetensors import safe_open
 
     from logo.export import writer
-    from logo.export.reader import read_weights
+    from logo.run.hf import read_weights
     torch.manual_seed(0)
     state = {"a.weight": torch.randn(64, 32, dtype=torch.bfloat16), "b.weight": torch.randn(128, 16),
              "c.bias": torch.randn(7, dtype=torch.bfloat16), "d.empty": torch.zeros(0, 4),

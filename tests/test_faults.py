@@ -176,7 +176,7 @@ def snapshot(d: Path) -> dict:
 
 def test_checkpoints_carry_digests_of_every_file(sync_reference):
     import json
-    from logo.train.checkpoint import verify
+    from logo.run.checkpoint import verify
     for ck in sorted((sync_reference / "checkpoints").iterdir()):
         files = json.loads((ck / "digests.json").read_text())["files"]
         assert set(files) == {f.name for f in ck.iterdir() if f.name != "digests.json"} and "train_state.pt" in files

@@ -117,7 +117,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, default_corpus)
     ckpts = sorted(x.name for x in (tmp_path / "checkpoints").iterdir())
     assert ckpts == ["step_00000001"]
     assert str(tmp_path / "checkpoints" / "step_00000001") in p.stderr
-    from logo.train.checkpoint import is_complete
+    from logo.run.checkpoint import is_complete
     assert is_complete(tmp_path / "checkpoints" / "step_00000001")
 
 

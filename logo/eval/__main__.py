@@ -19,6 +19,18 @@ import logging
 import sys
 from pathlib import Path
 
+from data.format import DataError
+from data.tokenizer import TokenizerError, load_tokenizer
+from logo.config import ConfigError
+from logo.eval.lm_eval_run import lm_eval_metrics, run_lm_eval
+from logo.eval.load import EvalError, load_model
+from logo.eval.perplexity import perplexity, perplexity_metrics
+from logo.eval.progress import Progress
+from logo.eval.results import log_metrics, save_results
+from logo.eval.ruler import check_request, ruler_metrics, run_ruler
+from logo.eval.span import span_analysis
+from logo.run.checkpoint import CheckpointError
+
 
 def _ints(s: str) -> list[int]:
     try:
@@ -77,7 +89,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _perplexity(a, loaded, progress) -> dict:
-    from logo.eval.perplexity import perplexity, perplexity_metrics
     res = perplexity(loaded, a.data, a.split, a.seq_len, a.tokens, a.bucket_size, a.batch_size, progress)
     return {"results": res, "metrics": perplexity_metrics(res),
             "summary": f"loss {res['loss']:.4f}  ppl {res['ppl']:.3f}  ({res['tokens']:,} tokens of "
@@ -85,9 +96,6 @@ def _perplexity(a, loaded, progress) -> dict:
 
 
 def _ruler(a, loaded, progress) -> dict:
-    from data.tokenizer import load_tokenizer
-    from logo.eval.load import EvalError
-    from logo.eval.ruler import check_request, ruler_metrics, run_ruler
     tasks = [t for t in a.tasks.split(",") if t] or None
     check_request(a.lengths, tasks or [], a.max_context or loaded.seq_len)
     if a.samples < 1 or a.batch_size < 1 or a.max_new_tokens < 1:
@@ -100,28 +108,18 @@ def _ruler(a, loaded, progress) -> dict:
 
 
 def _lm_eval(a, loaded, progress) -> dict:
-    from logo.eval.lm_eval_run import lm_eval_metrics, run_lm_eval
     res = run_lm_eval(loaded, a.tasks.split(","), a.include_path, a.num_fewshot, a.limit, a.batch_size,
                       a.max_length, a.max_gen_toks, progress)
     return {"results": res, "metrics": lm_eval_metrics(res), "summary": json.dumps(res)}
 
 
 def _span(a, loaded, progress) -> dict:
-    from logo.eval.span import span_analysis
     out = Path(a.out) if a.out else loaded.run_dir / "eval" / "span"
     files = span_analysis(loaded, a.text, out, a.max_tokens, a.max_words, progress)
     return {"wrote": f"{out}/ ({', '.join(f.name for f in files)})"}
 
 
 def main(argv=None) -> int:
-    from data.format import DataError
-    from data.tokenizer import TokenizerError
-    from logo.config import ConfigError
-    from logo.eval.load import EvalError, load_model
-    from logo.eval.progress import Progress
-    from logo.eval.results import log_metrics, save_results
-    from logo.train.checkpoint import CheckpointError
-
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:

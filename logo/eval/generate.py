@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from logo.eval.decode import generate
+
 
 @torch.no_grad()
 def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: Optional[set[int]] = None,
@@ -18,7 +20,6 @@ def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids:
     device = device or next(model.parameters()).device
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         if use_cache:
-            from logo.eval.decode import generate
             return generate(model, [prompt_ids], max_new_tokens, stop_ids).tokens[0]
         return _reencode(model, prompt_ids, max_new_tokens, stop_ids, device)
 

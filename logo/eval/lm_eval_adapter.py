@@ -24,6 +24,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from logo.eval.decode import generate
 from logo.eval.load import EvalError, load_model
 from logo.eval.progress import Progress
 from logo.eval.scoring import hidden_states, token_logprobs
@@ -165,7 +166,6 @@ class LogoLM(TemplateLM):
     def _generate(self, batch: list[tuple[list[int], list[str], int, tuple[float, float]]]) -> list[str]:
         """(context ids, until strings, max new tokens, (temperature, top_p)) per row -> each row's text, cut at
         its first `until`."""
-        from logo.eval.decode import generate
         stops = [until for _, until, _, _ in batch]
         temperature, top_p = batch[0][3]
 

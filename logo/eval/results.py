@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from logo.eval.load import Loaded
+from logo.run.checkpoint import read_train_state
+from logo.run.wandb import wandb_logged_in
 
 log = logging.getLogger("logo")
 KINDS = ("perplexity", "ruler", "lm_eval")
@@ -55,13 +57,10 @@ def log_metrics(loaded: Loaded, metrics: dict) -> None:
 
 def _log_wandb(loaded: Loaded, metrics: dict) -> None:
     try:
-        import torch
         import wandb
 
-        from logo.train.checkpoint import TRAIN_STATE
-        from logo.train.metrics import wandb_logged_in
         lc = loaded.cfg.logging
-        run_id = torch.load(loaded.checkpoint / TRAIN_STATE, weights_only=False, map_location="cpu").get("wandb_id")
+        run_id = read_train_state(loaded.checkpoint, map_location="cpu").get("wandb_id")
         mode = lc.wandb_mode if lc.wandb_mode != "auto" else ("online" if wandb_logged_in() else "offline")
         run = wandb.init(project=lc.wandb_project, id=run_id, resume="allow", dir=str(loaded.run_dir), mode=mode)
         run.log({**metrics, "eval/checkpoint_step": loaded.step}, step=max(loaded.step, run.step))

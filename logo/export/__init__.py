@@ -2,6 +2,7 @@
 and the folders `logo.load_pretrained` reads. See docs/export.md."""
 
 
+# Both names load on first use: `logo.export.files` (the report's umask helper) must not import torch.
 def export(path, out, dtype: str = "bf16", force: bool = False, device: str = "cpu", progress=None):
     """Write the Hugging Face folder `out` from a run directory, checkpoint folder or exported folder.
     progress: a bar on stderr while the weights are written (None: only when stderr is a terminal)."""
@@ -11,7 +12,7 @@ def export(path, out, dtype: str = "bf16", force: bool = False, device: str = "c
 
 def __getattr__(name):  # lazy: `logo.export.files` (used by the report) stays free of torch
     if name == "ExportError":
-        from logo.export.reader import ExportError
+        from logo.run.hf import ExportError
         return ExportError
     raise AttributeError(f"module 'logo.export' has no attribute {name!r}")
 

@@ -12,6 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+from logo.config import ConfigError
+from logo.export import export
+from logo.run.checkpoint import CheckpointError
+
 
 def size_text(n: int) -> str:
     """Bytes as 812 B, 51.1 MiB, 2.98 GiB."""
@@ -41,9 +45,6 @@ def main(argv=None) -> int:
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="a bar on stderr while the weights are written (default: only when stderr is a terminal)")
     a = ap.parse_args(argv)
-    from logo.config import ConfigError
-    from logo.export import export
-    from logo.train.checkpoint import CheckpointError
     start = time.perf_counter()
     try:
         out = export(a.path, a.out, dtype=a.dtype, force=a.force, progress=a.progress)

@@ -38,7 +38,8 @@ def _tokenizer_json(name: str) -> str:
 
 @functools.lru_cache(maxsize=2)
 def _saved_files(name: str) -> tuple[tuple[str, bytes], ...]:
-    """The files `save_pretrained` writes for encoding `name` (built once per process: ~10 s for cl100k)."""
+    """The files `save_pretrained` writes for encoding `name` (built once per process: converting the encoding
+    is slow)."""
     import tempfile
 
     from tokenizers import Tokenizer

@@ -17,9 +17,12 @@ from typing import Callable, Optional
 
 import torch
 
-from logo.export.convert import to_hf
+from logo.config import ConfigError
+from logo.run.hf_layout import to_hf
 from logo.export.files import apply_umask
-from logo.export.reader import ExportError
+from logo.export.tokenizer import save_tokenizer
+from logo.run.hf import ExportError
+from logo.run.load import load_model
 
 REMOTE_DIR = Path(__file__).with_name("remote")
 REMOTE_FILES = ("configuration_logo.py", "modeling_logo.py")
@@ -37,7 +40,7 @@ def project_version() -> str:
 
 
 def provenance(loaded) -> dict:
-    """What the exported config records about its origin (read back by `logo.export.reader.model_config`)."""
+    """What the exported config records about its origin (read back by `logo.run.hf.model_config`)."""
     m = dataclasses.asdict(loaded.model.cfg)
     attn = m.pop("attention")
     return {"version": project_version(), "step": loaded.step, "source": str(loaded.checkpoint),
@@ -110,8 +113,6 @@ def write_weights(out: Path, state: dict[str, torch.Tensor], progress: Optional[
 def write_folder(loaded, out: Path, dtype: str, progress: Optional[bool] = None) -> None:
     """Everything of an export into `out` (an empty folder)."""
     from transformers import GenerationConfig
-
-    from logo.export.tokenizer import save_tokenizer
     cfg = loaded.model.cfg
     eot = save_tokenizer(loaded.cfg.data.tokenizer, out, loaded.seq_len)
     state = {k: v.detach().to("cpu", DTYPES[dtype]) for k, v in loaded.model.state_dict().items()}
@@ -134,13 +135,11 @@ def export(path, out, dtype: str = "bf16", force: bool = False, device: str = "c
     Written to a temporary sibling folder and renamed at the end: `out` never holds a partial export. Files and
     folders get the permissions of the user's umask. progress: a bar while the weights are written (None: only
     when stderr is a terminal)."""
-    from logo.config import ConfigError
     if dtype not in DTYPES:
         raise ConfigError(f"invalid dtype {dtype!r}: choose one of {list(DTYPES)}")
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"output folder {out} is not empty; pass --force to replace it")
-    from logo.eval.load import load_model
     loaded = load_model(path, device=device, dtype="fp32")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import secrets
 import string
 from pathlib import Path
 from typing import Optional
 
-from logo.train.config import LoggingConfig
+from logo.run.config import LoggingConfig
+from logo.run.wandb import wandb_logged_in
 
 log = logging.getLogger("logo")
 RATIO_KEY = re.compile(r"^logo/ratio/layer_(\d+)$")
 WINDOW_KEY = re.compile(r"^logo/ratio_window/layer_(\d+)$")
-
-
-def wandb_logged_in() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path.home() / ".netrc"
-    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
 def new_wandb_id() -> str:

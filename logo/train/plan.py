@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
-from logo.config import ConfigError
-from logo.export.reader import has_thresholds
+from logo.config import ConfigError, ModelConfig
+from logo.kernels import dispatch
 from logo.model import Transformer
 from logo.model.flops import attention_budget, attention_flops_per_token, param_counts, train_flops_per_token
-from logo.train.config import Config
+from logo.parallel.mesh import ParallelDims
+from logo.run.config import Config
+from logo.run.hf import has_thresholds
 
 
 @dataclass
@@ -65,6 +67,12 @@ class Plan:
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
+    def model_config(self, model_cfg: ModelConfig) -> ModelConfig:
+        """The model config this plan trains: `model_cfg` with the planned initial LoGo threshold (the P-mask
+        ramp's start). The run's config itself is never changed."""
+        attn = dataclasses.replace(model_cfg.attention, threshold_init=self.threshold_init)
+        return dataclasses.replace(model_cfg, attention=attn)
+
     def write(self, run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "plan.json").write_text(json.dumps(self.to_json(), indent=1))
@@ -85,7 +93,6 @@ def run_name(cfg: Config, attention_name: str) -> str:
 
 def attention_kernels(cfg: Config, device: torch.device) -> str:
     """The attention kernels this run uses on `device` (one line; ConfigError where attention.backend cannot run)."""
-    from logo.kernels import dispatch
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
     try:
         return dispatch.describe(cfg.model.attention.backend, device, torch.bfloat16 if bf16 else torch.float32,
@@ -106,7 +113,6 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
         total, non_emb = param_counts(Transformer(cfg.model))
     s, t = cfg.stage, cfg.train
     tokens = s.tokens if s.tokens > 0 else int(round(s.tokens_per_param * total))
-    from logo.parallel.mesh import ParallelDims
     dims = ParallelDims.sizes(world_size, cfg.parallel.tp, cfg.parallel.cp)
     global_batch = s.global_batch_tokens // s.seq_len
     per_rank, rem = divmod(global_batch, dims.dp)
@@ -129,8 +135,8 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
     pmask_steps = int(round(a.pmask_fraction * steps)) if a.pmask and not keeps_thresholds else 0
     name = run_name(cfg, attention_name or cfg.model.attention.kind)
     run_dir = cfg.run.dir or str(Path("runs") / name)
-    return Plan(run_name=name, run_dir=run_dir, world_size=world_size, dp=dims.dp, tp=dims.tp, cp=dims.cp, params_total=total,
-                params_non_embedding=non_emb, seq_len=s.seq_len, tokens_total=tokens,
+    return Plan(run_name=name, run_dir=run_dir, world_size=world_size, dp=dims.dp, tp=dims.tp, cp=dims.cp,
+                params_total=total, params_non_embedding=non_emb, seq_len=s.seq_len, tokens_total=tokens,
                 global_batch_tokens=s.global_batch_tokens, global_batch=global_batch, micro_batch=micro,
                 grad_accum=per_rank // micro, steps=steps, warmup_steps=int(round(s.warmup_fraction * steps)),
                 pmask_steps=pmask_steps, threshold_init=a.pmask_threshold_init(pmask_steps), lr=s.lr,

@@ -25,6 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
+from logo.config import ConfigError
+
 log = logging.getLogger("logo")
 LOCK_FILE = ".lock"
 # Config keys (dotted prefixes) a resumed run may change: the budget and length of the run, how it is split,
@@ -49,7 +51,6 @@ def check_prior_run(state: dict, latest: Path, init_from: str, extend: bool, pla
     """Before anything is written: the run's latest checkpoint's train state against this launch. init_from
     starts a new run, so it must be the run's own; a finished run (its step reached its own planned steps) raises
     RunComplete when launched again as it was, and refuses other planned steps unless `extend` (run.extend)."""
-    from logo.config import ConfigError
     saved = state.get("config") or {}
     own_init = (saved.get("checkpoint") or {}).get("init_from", "")
     if init_from != own_init:

@@ -1,46 +1,53 @@
 """The training loop: one process or torchrun data-parallel FSDP2, resumable, with LoGo budget control.
 
-The step itself is `logo/train/step.py` (no host sync); the loop reads its results on the host only at
-logging and checkpoint steps. Per step the host does: take the prefetched batch, launch the step, one
-host-only (gloo) all-reduce of the stop flag when distributed. See docs/benchmarks.md ("Data-parallel
-efficiency").
+A launch is `_open_run` (the checks against the run directory's checkpoints), `_build` (model, optimizer,
+data, held-out evaluation, budget controller, train state), `_resume` (from the run's checkpoint or init_from)
+and `_run` (the loop). The step itself is `logo/train/step.py` (no host sync); the loop reads its results on
+the host only at logging and checkpoint steps. Per step the host does: take the prefetched batch, launch the
+step, one host-only (gloo) all-reduce of the stop flag when distributed.
 """
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import os
-import random
 import resource
 import signal
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
 
-from data.format import DataError, atomic_write_json
+from data.default_corpus import ensure_default_corpus
+from data.format import DataError, atomic_write_json, read_manifest
 from data.loader import ShardDataset, TokenLoader
 from data.prefetch import StepLoader
 from logo.config import ConfigError
-from logo.eval.heldout import HeldOutEval
-from logo.export.reader import check_compatible, load_into, read_config, strip_prefix
 from logo.model import BudgetController, Transformer
 from logo.model.flops import mfu, peak_bf16_flops, realized_ratios
 from logo.model.lm_head import resolve_loss_impl
-from logo.parallel import ParallelDims, parallelize
-from logo.train.checkpoint import (CheckpointError, Checkpointer, agreed, load_model_only, read_train_state,
-                                   resolve_checkpoint)
-from logo.train.config import Config
+from logo.parallel import ParallelDims, parallelize, sum_over_ranks
+from logo.parallel.memory import estimate, fit_hint
+from logo.run.checkpoint import CheckpointError, agreed, load_model_only, read_train_state, resolve_checkpoint
+from logo.run.config import Config
+from logo.run.hf import check_compatible, load_into, read_config, strip_prefix
+from logo.run.ranks import rank0_decides
+from logo.train.checkpoint import Checkpointer
+from logo.train.heldout import HeldOutEval
 from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
 from logo.train.plan import Plan, make_plan
-from logo.train.rundir import RunLock, check_prior_run, config_drift
+from logo.train.rundir import RunDirLocked, RunLock, check_prior_run, config_drift
+from logo.train.state import TrainState
 from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
                              read_back, spread, train_step)
 
@@ -95,7 +102,6 @@ def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
 def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.device,
                 dims: ParallelDims) -> StepLoader:
     if cfg.data.kind == "default":
-        from data.default_corpus import ensure_default_corpus
         if rank == 0:  # builds it on first use; the other ranks wait, then find it
             path = ensure_default_corpus(tokenizer=cfg.data.tokenizer)
         if world > 1:
@@ -128,41 +134,6 @@ def lr_factor(step: int, plan: Plan) -> float:
     floor = plan.lr_min / plan.lr
     progress = min(1.0, (step - warm) / max(1, plan.steps - 1 - warm))
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _lr_scheduler(opt, plan: Plan):
-    from functools import partial
-    from torch.optim.lr_scheduler import LambdaLR
-    return LambdaLR(opt, partial(lr_factor, plan=plan))
-
-
-def _rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _rng_states_all_ranks() -> list:
-    """Every rank's RNG states (index = rank); collective when distributed."""
-    st = _rng_state()
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [st]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, st)
-    return out
-
-
-def _set_rng_state(states) -> None:
-    if isinstance(states, list):  # one entry per rank; a run resumed with another world size takes rank 0's
-        r = dist.get_rank() if dist.is_initialized() else 0
-        states = states[r] if r < len(states) else states[0]
-    st = states
-    torch.set_rng_state(st["torch"])
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
 
 
 def _loss_impl(cfg: Config, device: torch.device, rank: int) -> str:
@@ -265,20 +236,8 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
 def _lock_run_dir(run_dir: Path, rank: int, world: int, stale_minutes: float):
     """Rank 0 takes the run directory's lock before anything is written there; every rank fails together (a
     directory that cannot be created or written: one line naming run.dir)."""
-    from logo.train.rundir import RunDirLocked
-    lock, err = None, None
-    if rank == 0:
-        try:
-            lock = take_run_dir(run_dir, stale_minutes)
-        except (RunDirLocked, ConfigError) as e:
-            err = (type(e).__name__, str(e))
-    if world > 1:
-        box = [err]
-        dist.broadcast_object_list(box, src=0)
-        err = box[0]
-    if err:
-        raise (RunDirLocked if err[0] == "RunDirLocked" else ConfigError)(err[1])
-    return lock
+    return rank0_decides(lambda: take_run_dir(run_dir, stale_minutes), (RunDirLocked, ConfigError),
+                         share_result=False)
 
 
 def take_run_dir(run_dir: Path, stale_minutes: float) -> RunLock:
@@ -293,7 +252,6 @@ def take_run_dir(run_dir: Path, stale_minutes: float) -> RunLock:
 def check_data(cfg: Config) -> None:
     """Before the run directory is touched: a prepared corpus where data=shards points (one-line DataError)."""
     if cfg.data.kind == "shards":
-        from data.format import read_manifest
         if not cfg.data.path:
             raise ConfigError("invalid config data.path='': data=shards needs data.path=DIR, a corpus prepared with "
                               "python -m data.prepare")
@@ -329,28 +287,96 @@ def _prior_checkpoint(cfg: Config, ckpt: Checkpointer, run_dir: Path):
     return None
 
 
+@dataclass
+class _Built:
+    """What `_build` makes for a launch: the model and everything the loop steps with it."""
+    model: Transformer
+    opt: torch.optim.Optimizer
+    loader: StepLoader
+    heldout: HeldOutEval
+    ctrl: BudgetController
+    watch: BudgetWatch
+    state: TrainState
+    dims: ParallelDims
+    sharded: bool  # FSDP: the model's parameters are sharded over the data-parallel mesh
+    autocast: object  # bf16 autocast without FSDP (FSDP casts itself), else a null context
+    host_group: object  # gloo group for host-side flags, None with one process
+
+
+@dataclass
+class _StepLog:
+    """What every logging step needs besides the step's own figures: writes the metrics (rank 0) and returns
+    them (every rank: the collectives)."""
+    plan: Plan
+    model_cfg: object  # logo.config.ModelConfig (for MFU)
+    peak: Optional[float]  # the device's bf16 peak FLOP/s, None off CUDA or when unknown
+    world: int
+    device: torch.device
+    ctrl: BudgetController
+    host_group: object
+    metrics_log: Optional[MetricsLogger]  # rank 0
+    bar: object  # tqdm bar or None
+
+    def record(self, step: int, loss: float, grad_norm: float, lr: float, durations: list, evaluated: dict,
+               saves: list) -> dict:
+        plan = self.plan
+        elapsed = sum(durations) or float("nan")
+        m = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
+             "tokens_per_s": len(durations) * plan.global_batch_tokens / elapsed,
+             "tokens": step * plan.global_batch_tokens, **spread(durations)}
+        m["memory_gib"] = _peak_memory_gib(self.device, self.host_group)
+        m.update(self.ctrl.metrics())
+        if self.peak:  # attention FLOPs with the LoGo layers' realized global ratios of the last step
+            m["mfu"] = mfu(self.model_cfg, plan.seq_len, plan.params_non_embedding, m["tokens_per_s"],
+                           self.peak * self.world, realized_ratios(m))
+        m.update(evaluated)  # held-out loss when it was due at this step
+        if saves:  # the latest save finished since the last logged step (each one is also on the console)
+            m.update(saves[-1].metrics())
+        if self.world > 1 and self.ctrl.layers:
+            m["logo/threshold_spread"] = _threshold_spread(self.ctrl)
+        if self.metrics_log is not None:
+            self.metrics_log.log(step, m, heatmap=step % self.metrics_log.cfg.heatmap_interval == 0)
+            line = console_line(step, plan.steps, m)
+            (self.bar.write(line) if self.bar is not None else print(line, flush=True))
+        return m
+
+
 def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: int, world: int, loss_impl: str,
            on_step_end, save_final: bool) -> dict:
     run_dir = Path(plan.run_dir)
-    cfg.model.attention.threshold_init = plan.threshold_init
-    # Resume wins over init_from; either is checked before anything is built, so a bad path fails at once.
+    ckpt, latest, init_from = _open_run(cfg, resolved, plan, rank, world)
+    b = _build(cfg, resolved, plan, device, rank, world)
+    _resume(b, ckpt, latest, init_from, rank)
+    return _run(cfg, resolved, plan, run_dir, b, ckpt, device, rank, world, loss_impl, on_step_end, save_final)
+
+
+def _open_run(cfg: Config, resolved: dict, plan: Plan, rank: int, world: int):
+    """(checkpointer, checkpoint to resume from or None, init_from or None), checked before anything is built
+    so that a bad path or a drifted config fails at once; rank 0 then writes plan.json and config.yaml. Resume
+    wins over init_from."""
+    run_dir = Path(plan.run_dir)
     ck = cfg.checkpoint
     ckpt = Checkpointer(run_dir, ck.keep, ck.async_mode, ck.writer_threads,
                         dist.new_group(backend="gloo") if world > 1 and ck.async_mode != "none" else None)
     latest = _prior_checkpoint(cfg, ckpt, run_dir)
     init_from = check_init_from(cfg) if cfg.checkpoint.init_from and latest is None else None
     if latest is not None:
-        state = read_train_state(latest)
-        _check_resume(state, latest, resolved, run_dir)
-        check_prior_run(state, latest, ck.init_from, cfg.run.extend, plan.steps, run_dir)
+        saved = read_train_state(latest)
+        _check_resume(saved, latest, resolved, run_dir)
+        check_prior_run(saved, latest, ck.init_from, cfg.run.extend, plan.steps, run_dir)
     if rank == 0:
         plan.write(run_dir)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         log.info("plan:\n%s", plan.table())
+    return ckpt, latest, init_from
 
+
+def _build(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: int, world: int) -> _Built:
+    """Model (initialised with the plan's thresholds, parallelized), optimizer and LR schedule, data, held-out
+    evaluation, budget controller and the train state over them."""
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
-        model = Transformer(cfg.model)
+        model = Transformer(plan.model_config(cfg.model))
     model.to_empty(device=device)
     model.init_weights()
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
@@ -360,11 +386,11 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     dp_mesh = dims.submesh("dp_shard_cp")
     parallelize(model, dp_mesh, torch.bfloat16 if bf16 else torch.float32,
                 cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg),
-                tp_mesh=dims.submesh("tp"), compile_mode=cfg.train.compile_mode)
+                tp_mesh=dims.submesh("tp"), cp_mesh=dims.submesh("cp"), compile_mode=cfg.train.compile_mode)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and dp_mesh is None else nullcontext())
 
     opt = make_optimizer(model, plan.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, cfg.train.weight_decay)
-    sched = _lr_scheduler(opt, plan)
+    sched = LambdaLR(opt, partial(lr_factor, plan=plan))
     loader = _build_data(cfg, plan, rank, world, device, dims)
     dp_cp_group = dims.dim("dp_shard_cp").get_group() if dims.mesh is not None else None
     # eval.interval=0: does nothing; context-parallel ranks each evaluate whole sequences (no CP at eval)
@@ -372,63 +398,70 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
                           group=dims.mesh["dp_shard"].get_group() if dims.mesh is not None else None)
     # routing counts summed over the ranks that see different tokens (dp x cp), never over tp (same tokens)
     window = cfg.logging.ratio_window or cfg.logging.interval
-    ctrl = BudgetController(model, process_group=dp_cp_group, window=window)
+    ctrl = BudgetController(model, reduce=sum_over_ranks(dp_cp_group), window=window)
     a = cfg.model.attention
     hint = "; try attention.budget_control=quantile (docs/model.md)" if a.budget_control == "threshold" else ""
     watch = BudgetWatch(a.rho, cfg.logging.budget_tolerance if ctrl.layers else 0.0, plan.pmask_steps, window,
                         hint=hint)
-    host_group = _host_group(world)
+    state = TrainState(sched, loader, ctrl, plan.to_json(), resolved)
+    return _Built(model, opt, loader, heldout, ctrl, watch, state, dims, dp_mesh is not None, autocast,
+                  _host_group(world))
 
-    step, wandb_id = 0, None
+
+def _resume(b: _Built, ckpt: Checkpointer, latest: Optional[Path], init_from, rank: int) -> None:
+    """Restore model, optimizer and train state from `latest`, or only the weights and thresholds from
+    `init_from` (a fresh stage: new optimizer, schedule and data order), or nothing (a new run)."""
     if latest is not None:
-        st = ckpt.load(latest, model, opt)
-        step, wandb_id = st["step"], st.get("wandb_id")
-        sched.load_state_dict(st["lr_scheduler"])
-        if "controller" in st:  # identical on every rank: rank 0's copy serves all
-            ctrl.load_state_dict(st["controller"])
-        loader.load_state_dict(st["data"])
-        if st["data"]["batches_consumed"] != step:  # one global batch per optimizer step
-            raise CheckpointError(f"checkpoint {latest} is inconsistent: step {step} but its data position is "
-                                  f"{st['data']['batches_consumed']} global batches")
-        _set_rng_state(st["rng"])
+        saved = ckpt.load(latest, b.model, b.opt)
+        if saved["data"]["batches_consumed"] != saved["step"]:  # one global batch per optimizer step
+            raise CheckpointError(f"checkpoint {latest} is inconsistent: step {saved['step']} but its data position "
+                                  f"is {saved['data']['batches_consumed']} global batches")
+        b.state.load_state_dict(saved)
         if rank == 0:
-            log.info("resumed from %s (step %d)", latest, step)
-    elif init_from is not None:  # a fresh stage that starts from the previous stage's weights and thresholds
-        load_init_from(init_from, model)
+            log.info("resumed from %s (step %d)", latest, b.state.step)
+    elif init_from is not None:
+        load_init_from(init_from, b.model)
         if rank == 0:
             log.info("initialized model and thresholds from %s (fresh optimizer, schedule and data)", init_from)
 
-    metrics_log = MetricsLogger(run_dir, cfg.logging, plan.run_name, resolved, step, wandb_id) if rank == 0 else None
+
+def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt: Checkpointer,
+         device: torch.device, rank: int, world: int, loss_impl: str, on_step_end, save_final: bool) -> dict:
+    """The loop from the train state's step to plan.steps (or a stop signal); returns the final metrics."""
+    ck, state = cfg.checkpoint, b.state
+    metrics_log = MetricsLogger(run_dir, cfg.logging, plan.run_name, resolved, state.step, state.wandb_id) \
+        if rank == 0 else None
+    if metrics_log is not None:
+        state.wandb_id = metrics_log.wandb_id
     stop = _StopRequest()
-    peak = None
-    if device.type == "cuda":
-        peak = peak_bf16_flops(torch.cuda.get_device_name())
     bar = None
     if rank == 0 and cfg.logging.progress_bar:
-        from tqdm import tqdm
-        bar = tqdm(total=plan.steps, initial=step, desc="train", unit="step", dynamic_ncols=True, leave=False)
+        bar = tqdm(total=plan.steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True, leave=False)
+    step_log = _StepLog(plan, cfg.model, peak_bf16_flops(torch.cuda.get_device_name()) if device.type == "cuda"
+                        else None, world, device, b.ctrl, b.host_group, metrics_log, bar)
     last = {}
     monitor, timer = DivergenceMonitor(device), StepTimer(device)
     if cfg.train.gc_interval:
         gc.collect()
         gc.disable()
     last_save = time.monotonic()
-    start_step, t_start = step, time.monotonic()
+    start_step, t_start = state.step, time.monotonic()
     try:
-        while step < plan.steps:
+        while state.step < plan.steps:
             with phase("data"):
-                data = loader.next_step()
-            out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=cfg.train.grad_clip,
-                             sharded=dp_mesh is not None, dims=dims, window=cfg.model.attention.window,
-                             loss_impl=loss_impl)
-            lr = opt.param_groups[0]["lr"]  # the learning rate of this step
+                data = b.loader.next_step()
+            out = train_step(b.model, data, device=device, autocast=b.autocast, ctrl=b.ctrl,
+                             grad_clip=cfg.train.grad_clip, sharded=b.sharded, dims=b.dims,
+                             window=cfg.model.attention.window, loss_impl=loss_impl)
+            lr = b.opt.param_groups[0]["lr"]  # the learning rate of this step
             with phase("optimizer"):
                 ckpt.wait_staging()  # async_pinned: the previous save's host copy is taken before the update
-                optimizer_step(opt, sched, ctrl, out, monitor, step + 1)
-            step += 1
+                optimizer_step(b.opt, state.lr_scheduler, b.ctrl, out, monitor, state.step + 1)
+            state.step += 1
+            step = state.step
             if step == start_step + 1:  # the first step of the process (its time also holds compilation)
                 with phase("checkpoint"):
-                    prestage_s = ckpt.prestage(model, opt)
+                    prestage_s = ckpt.prestage(b.model, b.opt)
                 if prestage_s and rank == 0:
                     log.info("checkpoint: host buffers for async_pinned saves allocated in %.1f s", prestage_s)
             timer.mark()
@@ -438,9 +471,9 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
             ckpt.poll()  # a finished background write becomes latest
             with phase("stop_check"):
                 stop_now, time_due = stop.requested(
-                    host_group, ck.interval_minutes > 0 and time.monotonic() - last_save >= 60 * ck.interval_minutes)
+                    b.host_group, ck.interval_minutes > 0 and time.monotonic() - last_save >= 60 * ck.interval_minutes)
             with phase("eval"):
-                evaluated = heldout.maybe_evaluate(step, model, autocast)  # {} unless due; every rank takes part
+                evaluated = b.heldout.maybe_evaluate(step, b.model, b.autocast)  # {} unless due; every rank
             log_now = step % cfg.logging.interval == 0 or step == plan.steps or bool(evaluated)
             milestone = _milestone(step, plan.global_batch_tokens, ck.keep_every_tokens)
             last_step = step == plan.steps
@@ -452,18 +485,15 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
             if save_now:
                 with phase("checkpoint"):
                     gc.collect()
-                    ckpt.save(step, model, opt, {
-                        "step": step, "lr_scheduler": sched.state_dict(), "data": loader.state_dict(),
-                        "rng": _rng_states_all_ranks(), "controller": ctrl.state_dict(),
-                        "wandb_id": metrics_log.wandb_id if metrics_log else None,
-                        "plan": plan.to_json(), "config": resolved}, milestone=milestone, wait=last_step or stop_now)
+                    ckpt.save(step, b.model, b.opt, state.state_dict(), milestone=milestone,
+                              wait=last_step or stop_now)
                 last_save = time.monotonic()
             if log_now:
                 with phase("log"):
-                    last = _log_step(step, plan, cfg.model, loss, grad_norm, lr, timer.durations(), peak, world,
-                                     device, ctrl, host_group, metrics_log, bar, evaluated, ckpt.take_stats())
+                    last = step_log.record(step, loss, grad_norm, lr, timer.durations(), evaluated,
+                                           ckpt.take_stats())
                     if rank == 0:
-                        watch.check(step, last)
+                        b.watch.check(step, last)
             if evaluated or save_now:
                 timer.restart()  # neither the held-out evaluation nor the save is part of the next step's time
             if cfg.train.gc_interval and step % cfg.train.gc_interval == 0:
@@ -479,14 +509,15 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     finally:
         _close_checkpointer(ckpt, failing=sys.exc_info()[0] is not None)
         gc.enable()
-        loader.close()
+        b.loader.close()
         if bar is not None:
             bar.close()
         heatmap = None
         if metrics_log is not None:
-            if step:
-                heatmap = metrics_log.heatmap(step)
+            if state.step:
+                heatmap = metrics_log.heatmap(state.step)
             metrics_log.close()
+    step = state.step
     if rank == 0 and last:  # a launch that logged nothing leaves the earlier final metrics as they are
         atomic_write_json(run_dir / "final_metrics.json", {"step": step, **last})
     if rank == 0:
@@ -533,31 +564,6 @@ def _close_checkpointer(ckpt: Checkpointer, failing: bool) -> None:
         log.warning("%s", e)
 
 
-def _log_step(step: int, plan: Plan, model_cfg, loss: float, grad_norm: float, lr: float, durations: list, peak,
-              world: int, device: torch.device, ctrl: BudgetController, host_group, metrics_log, bar,
-              evaluated: dict, saves: list) -> dict:
-    """The metrics of a logging step (every rank: the collectives), written by rank 0."""
-    elapsed = sum(durations) or float("nan")
-    m = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
-         "tokens_per_s": len(durations) * plan.global_batch_tokens / elapsed, "tokens": step * plan.global_batch_tokens,
-         **spread(durations)}
-    m["memory_gib"] = _peak_memory_gib(device, host_group)
-    m.update(ctrl.metrics())
-    if peak:  # attention FLOPs with the LoGo layers' realized global ratios of the last step
-        m["mfu"] = mfu(model_cfg, plan.seq_len, plan.params_non_embedding, m["tokens_per_s"], peak * world,
-                       realized_ratios(m))
-    m.update(evaluated)  # held-out loss when it was due at this step
-    if saves:  # the latest save finished since the last logged step (each one is also on the console)
-        m.update(saves[-1].metrics())
-    if world > 1 and ctrl.layers:
-        m["logo/threshold_spread"] = _threshold_spread(ctrl)
-    if metrics_log is not None:
-        metrics_log.log(step, m, heatmap=step % metrics_log.cfg.heatmap_interval == 0)
-        line = console_line(step, plan.steps, m)
-        (bar.write(line) if bar is not None else print(line, flush=True))
-    return m
-
-
 def dry_world(cfg: Config, launch_set: bool) -> tuple[int, str]:
     """(world size, why) a dry run plans for: $WORLD_SIZE under torchrun; the SLURM resources of an experiment
     preset or of launch.* options on the command line (launch.nodes x processes per node); else one process."""
@@ -567,7 +573,8 @@ def dry_world(cfg: Config, launch_set: bool) -> tuple[int, str]:
     if cfg.experiment or launch_set:
         n = la.nodes * (la.procs_per_node or la.gpus_per_node or 1)
         src = f"experiment {cfg.experiment}" if cfg.experiment and not launch_set else "launch.* options"
-        return n, f"the SLURM resources of {src}: launch.nodes={la.nodes} x {la.procs_per_node or la.gpus_per_node or 1}"
+        per_node = la.procs_per_node or la.gpus_per_node or 1
+        return n, f"the SLURM resources of {src}: launch.nodes={la.nodes} x {per_node}"
     return 1, "one process (no experiment preset or launch.* option; set launch.nodes / launch.gpus_per_node, or run " \
               "under torchrun, to plan for more)"
 
@@ -576,7 +583,6 @@ def dry_run(cfg: Config, resolved: dict, attention_name: str = "", launch_set: b
     """Build the model on the meta device, print the plan, the mesh and the per-GPU memory estimate, and write
     <run_dir>/plan.json (not into a directory that holds a run's checkpoints). No training. World size:
     `dry_world`."""
-    from logo.parallel.memory import estimate, fit_hint
     world, why = dry_world(cfg, launch_set)
     plan = make_plan(cfg, world, attention_name)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -17,8 +17,9 @@ from typing import Optional
 import torch
 
 from logo.config import AttentionConfig, ConfigError, ModelConfig
-from logo.export.convert import from_hf, is_logo_only, native_name_to_hf
-from logo.train.checkpoint import CheckpointError
+from logo.run.hf_layout import from_hf, is_logo_only, native_name_to_hf
+from logo.model import Transformer
+from logo.run.checkpoint import CheckpointError
 
 log = logging.getLogger("logo.export")
 MODEL_TYPES = ("llama", "logo")
@@ -219,7 +220,6 @@ def has_thresholds(spec: str) -> bool:
 
 def native_from_folder(path, device) -> tuple:
     """(model in eval mode on `device`, ModelConfig, logo provenance) from a folder's own config; strict."""
-    from logo.model import Transformer
     d = read_config(path)
     try:
         cfg, meta = model_config(d)

@@ -1,0 +1,312 @@
+"""Typed training configs, registered with Hydra's ConfigStore as the schema of `conf/config.yaml`.
+
+Groups (conf/<group>/<option>.yaml): model, attention, stage, data, logging, parallel, and `experiment`
+presets (`# @package _global_`) that set several groups at once. `validate()` checks everything at start-up
+and raises ConfigError naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from logo.config import AttentionConfig, ConfigError, ModelConfig
+from logo.config import _fail  # one message format for every invalid field
+from logo.model.lm_head import LOSS_IMPLS
+from logo.parallel.cp import check_cp
+from logo.parallel.tp import check_tp
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+@dataclass
+class StageConfig:
+    """One training stage: pretraining or a context-extension stage."""
+
+    name: str = "smoke"
+    seq_len: int = 512
+    # Token budget: `tokens` if > 0, else tokens_per_param x total parameters (the scaling grid's 20 TPP).
+    tokens: int = 0
+    tokens_per_param: float = 0.0
+    global_batch_tokens: int = 8192
+    lr: float = 3e-3  # peak learning rate
+    lr_min: float = 3e-4  # cosine floor
+    warmup_fraction: float = 0.01
+    rope_theta: Optional[float] = None  # None: keep model.rope_theta; context extension raises it
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0  # > 0 overrides the steps derived from the token budget (smoke runs)
+    micro_batch: int = 8  # sequences per rank per forward
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU | fp32 | bf16
+    compile: bool = False
+    # torch.compile mode of the blocks under train.compile: default | reduce-overhead (CUDA graphs replay each
+    # block's kernels: for small, launch-bound models on one GPU; not with FSDP) | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
+    activation_checkpointing: bool = False
+    # LM-head loss: auto (CUDA: liger when a micro-batch's fp32 logits reach 4 GiB, else plain; CPU: chunked)
+    # | liger | chunked | plain (materialised logits). liger and chunked never hold the (tokens, vocab) logits;
+    # see logo/model/lm_head.py.
+    loss: str = "auto"
+    seed: int = 0
+    # Python's automatic GC pauses at random points (a straggler for every other rank); instead collect
+    # generations 0-1 every gc_interval steps on every rank at once (and fully at checkpoints). 0: automatic GC.
+    gc_interval: int = 50
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """The blocks are replayed as CUDA graphs (train.compile with compile_mode=reduce-overhead)."""
+        return self.compile and self.compile_mode == "reduce-overhead"
+
+
+@dataclass
+class DataConfig:
+    kind: str = "default"  # default: the embedded corpus | shards: a prepared corpus at `path`
+    path: str = ""
+    tokenizer: str = "cl100k_base"
+    seed: int = 1234
+    document_mask: bool = True
+    prefetch: bool = True  # build the next steps' batches on a background thread (pinned memory on CUDA)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 100  # steps between checkpoints (and one at the end)
+    interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0 = off
+    keep: int = 3  # keep the last k
+    keep_every_tokens: int = 0  # also save at every multiple of this many tokens and never prune those; 0 = off
+    # none: the loop waits for the write | async: copy to host memory, write in the background | async_pinned:
+    # the same with a reused pinned buffer filled while the next step computes (docs/training.md, "Checkpoints")
+    async_mode: str = "async_pinned"
+    writer_threads: int = 4  # DCP FileSystemWriter threads per rank (one file per thread)
+    # A previous stage's checkpoint (run dir or step folder): model + thresholds only (context extension); or
+    # hf:DIR, a Hugging Face folder of matching shape (a logo export or a Llama model; docs/export.md).
+    init_from: str = ""
+    resume: bool = True  # resume automatically from the run's latest complete checkpoint
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10
+    progress_bar: bool = True
+    wandb: bool = False
+    wandb_project: str = "logo"
+    wandb_mode: str = "auto"  # auto: online when logged in, else offline | online | offline
+    tensorboard: bool = False
+    heatmap_interval: int = 100  # steps between layers x steps ratio heatmap images
+    ratio_window: int = 0  # steps in logo/ratio_window/layer_i (the realized ratio over recent steps); 0: interval
+    budget_tolerance: float = 0.02  # warn when, after the P-mask ramp, a layer's windowed ratio is further from rho
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
+    device: str = "auto"  # auto | cpu | cuda
+    # Mesh (dp_shard, cp, tp): tensor/sequence-parallel and context-parallel ranks; data parallel takes the rest.
+    tp: int = 1
+    cp: int = 1
+    # FSDP2 over dp_shard x cp (used with more than one such rank; see logo/parallel/fsdp.py::apply_fsdp)
+    reshard_after_forward: str = "auto"  # auto: every unit but the last block and norm+head | always | never
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 | bf16 (half the bytes, bf16-rounded sums)
+    forward_prefetch: int = 1  # units each unit all-gathers ahead in forward, issued explicitly (0: implicit only)
+    backward_prefetch: int = 1  # the same in backward (0: FSDP2's default implicit prefetch of one unit)
+
+
+@dataclass
+class LaunchConfig:
+    """SLURM resources of a run, read by launch/sweep.sh (one task per node runs torchrun); training ignores them."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8  # 0: a CPU run
+    procs_per_node: int = 0  # training processes per node; 0: one per GPU (CPU runs: 1)
+    cpus_per_node: int = 32  # CPU cores of the one task per node (torchrun and its workers)
+    time: str = "24:00:00"  # SLURM time limit of one job; a longer run requeues itself and resumes
+
+
+@dataclass
+class EvalConfig:
+    """Held-out loss during training (`logo/train/heldout.py`), on the corpus's validation split."""
+
+    interval: int = 0  # optimizer steps between evaluations (and one at the last step); 0 = off
+    tokens: int = 0  # held-out tokens per evaluation: the first ~N of the split (all of it if smaller)
+    micro_batch: int = 0  # sequences per forward; 0 = train.micro_batch
+    split: str = "val"
+
+
+@dataclass
+class RunConfig:
+    name: str = ""  # default: <model>-<attention>-<stage>
+    dir: str = ""  # default: runs/<name>
+    # the run directory's lock (logo/train/rundir.py): on filesystems without fcntl locks, a holder whose heartbeat
+    # is older than this is taken to be dead
+    lock_stale_minutes: float = 10.0
+    # train a finished run further (a larger train.steps or token budget than it completed): resumes from its last
+    # checkpoint with the learning-rate schedule stretched to the new length; without it a finished run stays finished
+    extend: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    stage: StageConfig = field(default_factory=StageConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    experiment: str = ""  # set by experiment presets
+    dry_run: bool = False
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+    ConfigStore.instance().store(name="logo_schema", node=Config)
+
+
+def compose(overrides: list[str]) -> tuple[Config, dict, str]:
+    """The config `train.py OVERRIDES` would run (Hydra's compose API; for benchmarks and tools):
+    (validated Config, resolved dict as written to config.yaml, the chosen attention option's name)."""
+    from pathlib import Path
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import open_dict
+    register_configs()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
+        cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
+    attention = cfg.hydra.runtime.choices.get("attention", "")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return to_dataclass(cfg), OmegaConf.to_container(cfg, resolve=True), attention
+
+
+def to_dataclass(cfg: DictConfig) -> Config:
+    """The resolved Hydra config as plain, validated dataclasses."""
+    try:
+        obj: Config = OmegaConf.to_object(cfg)
+    except Exception as e:  # noqa: BLE001 - OmegaConf type/validation errors: one line naming the key
+        raise ConfigError(f"invalid config: {e}".splitlines()[0] + _first_key_hint(e)) from None
+    if obj.model.attention != AttentionConfig():
+        raise ConfigError("invalid config model.attention: set attention fields at the top level "
+                          "(attention=<preset> attention.rho=0.25 ...), not under model.attention")
+    model = dataclasses.replace(obj.model, attention=obj.attention)
+    if obj.stage.rope_theta is not None:
+        model = dataclasses.replace(model, rope_theta=obj.stage.rope_theta)
+    obj.model = model
+    validate(obj)
+    return obj
+
+
+def _first_key_hint(e: Exception) -> str:
+    key = getattr(e, "full_key", None)
+    return f" (key {key})" if key else ""
+
+
+def validate(c: Config) -> None:
+    c.model.validate()
+    s, t = c.stage, c.train
+    for name, v in (("stage.seq_len", s.seq_len), ("stage.global_batch_tokens", s.global_batch_tokens),
+                    ("train.micro_batch", t.micro_batch), ("checkpoint.interval", c.checkpoint.interval),
+                    ("checkpoint.keep", c.checkpoint.keep), ("logging.interval", c.logging.interval)):
+        if not isinstance(v, int) or v < 1:
+            _fail(name, v, "must be a positive integer")
+    if s.global_batch_tokens % s.seq_len:
+        _fail("stage.global_batch_tokens", s.global_batch_tokens, f"not a multiple of stage.seq_len={s.seq_len}")
+    if s.tokens < 0 or s.tokens_per_param < 0 or (s.tokens == 0 and s.tokens_per_param == 0 and t.steps <= 0):
+        _fail("stage.tokens", s.tokens, "set stage.tokens, stage.tokens_per_param or train.steps")
+    if t.steps < 0:
+        _fail("train.steps", t.steps, "must be >= 0 (0 = derive from the token budget)")
+    if not (0 < s.lr_min <= s.lr):
+        _fail("stage.lr_min", s.lr_min, f"must be in (0, stage.lr={s.lr}]")
+    if not (0 <= s.warmup_fraction < 1):
+        _fail("stage.warmup_fraction", s.warmup_fraction, "must be in [0, 1)")
+    if t.dtype not in ("auto", "fp32", "bf16"):
+        _fail("train.dtype", t.dtype, "choose auto, fp32 or bf16")
+    if t.loss not in LOSS_IMPLS:
+        _fail("train.loss", t.loss, f"choose one of {list(LOSS_IMPLS)}")
+    if t.compile_mode not in COMPILE_MODES:
+        _fail("train.compile_mode", t.compile_mode, f"choose one of {list(COMPILE_MODES)}")
+    if t.grad_clip <= 0:
+        _fail("train.grad_clip", t.grad_clip, "must be > 0")
+    if not isinstance(t.gc_interval, int) or t.gc_interval < 0:
+        _fail("train.gc_interval", t.gc_interval, "must be an integer >= 0 (0: Python's automatic GC)")
+    if c.data.kind not in ("default", "shards"):
+        _fail("data.kind", c.data.kind, "choose default or shards")
+    if c.data.kind == "shards" and not c.data.path:
+        _fail("data.path", c.data.path, "data=shards needs data.path=DIR (a corpus made by python -m data.prepare)")
+    if c.parallel.backend not in ("auto", "nccl", "gloo"):
+        _fail("parallel.backend", c.parallel.backend, "choose auto, nccl or gloo")
+    if c.parallel.device not in ("auto", "cpu", "cuda"):
+        _fail("parallel.device", c.parallel.device, "choose auto, cpu or cuda")
+    if c.parallel.reshard_after_forward not in ("auto", "always", "never"):
+        _fail("parallel.reshard_after_forward", c.parallel.reshard_after_forward, "choose auto, always or never")
+    for name in ("tp", "cp"):
+        v = getattr(c.parallel, name)
+        if not isinstance(v, int) or v < 1:
+            _fail(f"parallel.{name}", v, "must be an integer >= 1")
+    if c.parallel.tp > 1:
+        check_tp(c.model, c.parallel.tp)
+        if c.stage.seq_len % c.parallel.tp:
+            _fail("parallel.tp", c.parallel.tp, f"stage.seq_len={c.stage.seq_len} must be divisible by it "
+                  "(sequence parallelism splits the residual stream along time)")
+    if c.parallel.cp > 1:
+        check_cp(c.stage.seq_len, c.parallel.cp, c.model.attention.window)
+        if not c.model.attention.document_mask:
+            _fail("parallel.cp", c.parallel.cp, "context parallelism needs attention.document_mask=true (use "
+                  "data.document_mask=false to attend across documents)")
+        if c.parallel.tp > 1 and (c.stage.seq_len // c.parallel.cp) % c.parallel.tp:
+            _fail("parallel.tp", c.parallel.tp, f"each context-parallel shard of {c.stage.seq_len // c.parallel.cp}"
+                  " tokens must be divisible by it")
+    if c.parallel.reduce_dtype not in ("fp32", "bf16"):
+        _fail("parallel.reduce_dtype", c.parallel.reduce_dtype, "choose fp32 or bf16")
+    for name in ("forward_prefetch", "backward_prefetch"):
+        v = getattr(c.parallel, name)
+        if not isinstance(v, int) or not 0 <= v <= 4:
+            _fail(f"parallel.{name}", v, "must be an integer in [0, 4] (units prefetched ahead)")
+    if not isinstance(c.logging.ratio_window, int) or c.logging.ratio_window < 0:
+        _fail("logging.ratio_window", c.logging.ratio_window, "must be an integer >= 0 (0 = logging.interval)")
+    if not (c.logging.budget_tolerance >= 0):
+        _fail("logging.budget_tolerance", c.logging.budget_tolerance, "must be >= 0 (0 = no budget warning)")
+    if not isinstance(c.run.lock_stale_minutes, (int, float)) or c.run.lock_stale_minutes <= 0:
+        _fail("run.lock_stale_minutes", c.run.lock_stale_minutes, "must be > 0")
+    ck = c.checkpoint
+    if ck.async_mode not in ("none", "async", "async_pinned"):
+        _fail("checkpoint.async_mode", ck.async_mode, "choose none, async or async_pinned")
+    if not isinstance(ck.interval_minutes, (int, float)) or ck.interval_minutes < 0:
+        _fail("checkpoint.interval_minutes", ck.interval_minutes, "must be >= 0 (0 = off)")
+    if not isinstance(ck.keep_every_tokens, int) or ck.keep_every_tokens < 0:
+        _fail("checkpoint.keep_every_tokens", ck.keep_every_tokens, "must be an integer >= 0 (0 = off)")
+    if not isinstance(ck.writer_threads, int) or not 1 <= ck.writer_threads <= 64:
+        _fail("checkpoint.writer_threads", ck.writer_threads, "must be an integer in [1, 64]")
+    if c.logging.wandb_mode not in ("auto", "online", "offline"):
+        _fail("logging.wandb_mode", c.logging.wandb_mode, "choose auto, online or offline")
+    for name, v in (("eval.interval", c.eval.interval), ("eval.tokens", c.eval.tokens),
+                    ("eval.micro_batch", c.eval.micro_batch)):
+        if not isinstance(v, int) or v < 0:
+            _fail(name, v, "must be an integer >= 0 (0 = off / default)")
+    if c.eval.interval > 0 and c.eval.tokens == 0:
+        _fail("eval.tokens", c.eval.tokens,
+              "set a held-out token budget > 0, or eval.interval=0 to turn evaluation off")
+    validate_launch(c.launch)
+
+
+def validate_launch(la: LaunchConfig) -> None:
+    for name, v, lo in (("nodes", la.nodes, 1), ("gpus_per_node", la.gpus_per_node, 0),
+                        ("procs_per_node", la.procs_per_node, 0), ("cpus_per_node", la.cpus_per_node, 1)):
+        if not isinstance(v, int) or v < lo:
+            _fail(f"launch.{name}", v, f"must be an integer >= {lo}")
+    if not re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", la.time):
+        _fail("launch.time", la.time, "not a SLURM time limit (MM, HH:MM:SS or D-HH:MM:SS)")
