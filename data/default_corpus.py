@@ -3,9 +3,9 @@
 Contents (deterministic, sorted): the 79 documentation topics of `pydoc_data.topics` (the language-reference
 prose behind `help()`), one document per topic, then the standard library's own .py source files (code), one
 document per file, excluding test suites and site-packages. On CPython 3.11.7: 0.47 MB of prose, 734 files /
-12.1 MB of code -> 810 documents, 3,093,403 cl100k tokens, prepared in about 2 s on 2 cores. It is written in
-the ordinary shard format to `$LOGO_CACHE/default_corpus/<key>` (default `~/.cache/logo`), where the key hashes
-the format version, the tokenizer (name and fingerprint) and every document's content; later calls reuse it.
+12.1 MB of code -> 810 documents, 3,093,403 cl100k tokens. It is written in the ordinary shard format to
+`$LOGO_CACHE/default_corpus/<key>` (default `~/.cache/logo`), where the key hashes the format version, the
+tokenizer (name and fingerprint) and every document's content; later calls reuse it.
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import sys
 import sysconfig
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from data.format import FORMAT_VERSION, DataError
 from data.tokenizer import canonical_name, load_tokenizer, tokenizer_fingerprint
@@ -40,7 +41,7 @@ def source_files(max_files: Optional[int] = None) -> list[Path]:
     """The standard library's .py files, sorted, without test suites (the first max_files if given)."""
     root = stdlib_root()
     files = []
-    for folder, subdirs, names in os.walk(root):  # pruned walk: never enters site-packages (rglob took ~1.5 s)
+    for folder, subdirs, names in os.walk(root):  # pruned walk: never enters site-packages (rglob would)
         subdirs[:] = [d for d in subdirs if d not in EXCLUDED_DIRS]
         files += [Path(folder) / n for n in names if n.endswith(".py")]
     files.sort()  # Path order (by parts), as before: the documents' order is the data order

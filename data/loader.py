@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -32,19 +33,19 @@ class Batch:
     cu_seqlens: Optional[torch.Tensor]  # (S+1,) int32 document offsets over the flattened M*T tokens
     valid: torch.Tensor  # (M, T) bool
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=True)
         return Batch(self.inputs.to(device, non_blocking=True), self.labels.to(device, non_blocking=True), cu,
                      self.valid.to(device, non_blocking=True))
 
-    def with_bucketed_offsets(self) -> "Batch":
+    def with_bucketed_offsets(self) -> Batch:
         """This batch with its document offsets padded to a bucketed length (`bucket_doc_offsets`)."""
         if self.cu_seqlens is None:
             return self
         return Batch(self.inputs, self.labels, bucket_doc_offsets(self.cu_seqlens, self.inputs.shape[0]),
                      self.valid)
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         """A copy in page-locked memory, so that `to(cuda)` is a true asynchronous copy."""
         cu = None if self.cu_seqlens is None else self.cu_seqlens.pin_memory()
         return Batch(self.inputs.pin_memory(), self.labels.pin_memory(), cu, self.valid.pin_memory())

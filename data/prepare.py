@@ -22,13 +22,14 @@ import os
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import numpy as np
 
-from data.format import (FORMAT_VERSION, INDEX_DTYPE, TOKEN_DTYPE, DataError, atomic_write_json, shard_name)
+from data.format import FORMAT_VERSION, INDEX_DTYPE, TOKEN_DTYPE, DataError, atomic_write_json, shard_name
 from data.sources import expand_inputs, iter_files, iter_hf
 from data.tokenizer import canonical_name, load_tokenizer, tokenizer_fingerprint
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import glob
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from data.format import DataError
 

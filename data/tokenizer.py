@@ -29,7 +29,7 @@ def _tiktoken_cached(url: str) -> bool:
     return os.path.exists(os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_tokenizer(name: str = "cl100k_base") -> tiktoken.Encoding:
     """The tiktoken encoding `name`; for cl100k_base without a cached download, its offline twin."""
     offline = OFFLINE_NAMES.get(name)

@@ -56,8 +56,8 @@ class Task:
     run_name: str
     run_dir: Path
     args: list
-    parent: Optional["Task"] = None
-    array: Optional["Array"] = None
+    parent: Optional[Task] = None
+    array: Optional[Array] = None
     index: int = -1
 
     @property
@@ -73,7 +73,7 @@ class Task:
 class Array:
     depth: int
     resources: Resources
-    parent: Optional["Array"]
+    parent: Optional[Array]
     tasks: list = field(default_factory=list)
     job: str = ""
 

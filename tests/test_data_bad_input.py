@@ -7,7 +7,8 @@ import pytest
 from data.format import DataError
 from data.loader import ShardDataset
 from data.prepare import main as prepare_main
-from test_data_fixtures import ENC, prepared, run_prepare, write_jsonl  # noqa: F401
+from test_data_fixtures import ENC, run_prepare, write_jsonl
+from test_data_fixtures import prepared_fixture  # noqa: F401 (the fixture `prepared`)
 
 
 def test_missing_and_empty_files(tmp_path, capsys):

@@ -28,8 +28,8 @@ def run_prepare(args, capsys):
     return code, capsys.readouterr().err
 
 
-@pytest.fixture
-def prepared(tmp_path):
+@pytest.fixture(name="prepared")
+def prepared_fixture(tmp_path):
     """60 documents, 10% validation, shards of ~300 tokens (so the stream spans many shards)."""
     texts = corpus_texts()
     src = write_jsonl(tmp_path / "a.jsonl", texts)

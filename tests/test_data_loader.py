@@ -6,7 +6,8 @@ import torch
 from data.format import DataError
 from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
 from data.prepare import main as prepare_main
-from test_data_fixtures import ENC, corpus_texts, prepared, write_jsonl  # noqa: F401
+from test_data_fixtures import ENC, corpus_texts, write_jsonl
+from test_data_fixtures import prepared_fixture  # noqa: F401 (the fixture `prepared`)
 
 
 def rows_with_boundaries(batches, T):

@@ -8,7 +8,8 @@ import torch
 from data.format import DataError
 from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
 from data.prefetch import StepLoader
-from test_data_fixtures import corpus_texts, prepared, write_jsonl  # noqa: F401
+from test_data_fixtures import corpus_texts, write_jsonl
+from test_data_fixtures import prepared_fixture  # noqa: F401 (the fixture `prepared`)
 
 T, G, M = 16, 8, 2
 

@@ -11,7 +11,8 @@ from data.loader import ShardDataset
 from data.prepare import _bounded_ordered_map, prepare
 from data.prepare import main as prepare_main
 from data.tokenizer import canonical_name, load_tokenizer, tokenizer_fingerprint
-from test_data_fixtures import ENC, corpus_texts, prepared, run_prepare, write_jsonl  # noqa: F401
+from test_data_fixtures import ENC, corpus_texts, run_prepare, write_jsonl
+from test_data_fixtures import prepared_fixture  # noqa: F401 (the fixture `prepared`)
 
 
 def test_tokenizer_falls_back_to_offline_fast_with_one_log_line(tmp_path, monkeypatch, caplog):

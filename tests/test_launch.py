@@ -122,7 +122,7 @@ def test_seeds_get_their_own_run_directories_and_parents(sweep, tmp_path):
     assert rc == 0, err
     first, ctx = (task_list(c) for c in calls)
     assert len(first) == 4 and len(ctx) == 2  # {full, logo} x {0, 2}, then logo_ctx x {0, 2}
-    for i, args in first.items():
+    for args in first.values():
         preset, seed = args[0].split("/")[1], args[3].split("=")[1]
         name = f"tiny-{preset}-smoke-seed{seed}"
         assert args == [f"experiment=tiny/{preset}", "train.steps=3", f"train.seed={seed}", f"data.seed={seed}",

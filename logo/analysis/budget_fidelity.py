@@ -70,7 +70,7 @@ def summary(run_dir: Path, tail: float = TAIL) -> dict:
     rows = read_metrics(run_dir)
     rho = _rho(run_dir)
     out = {"run": str(run_dir), "rho": rho, "layers": {}}
-    for i, (steps, vals) in per_layer(rows, "ratio").items():
+    for i, (_steps, vals) in per_layer(rows, "ratio").items():
         n = max(1, int(round(len(vals) * tail)))
         last = rows[-n:]
         mean = sum(vals[-n:]) / n

@@ -27,8 +27,9 @@ greedy or temperature / top-p sampling, stop ids and a host-side stop predicate 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
 

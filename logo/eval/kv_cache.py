@@ -11,7 +11,7 @@ appends is a fixed sequence of kernels (a CUDA graph replays it).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 TASKS = ("s_niah_1", "s_niah_2", "s_niah_3", "mk_niah_1", "mk_niah_2", "mk_niah_3", "mq_niah", "mv_niah")
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")

@@ -8,8 +8,8 @@ are fitted. Tables are split by stage (8k pretraining, 32k, 128k). Runs of no pa
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pandas as pd
 

@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from logo.report.cells import Cell, Comparison, compare, make_cells
 from logo.report.fit import FitError, Multiplier, PowerLawFit, compute_multiplier, fit_power_law
