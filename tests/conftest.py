@@ -67,7 +67,7 @@ def scratch_dir(tmp_path_factory, name: str):
     """A temp dir for a module or session fixture, removed when the fixture ends.
 
     Training runs leave checkpoints of 0.3-1 GiB (the tiny model's 100k-token embedding and its Adam moments);
-    pytest keeps a fixture's temp dirs to the end of the session, which added up to ~30 GB over the suite.
+    pytest keeps a fixture's temp dirs to the end of the session, which adds up to tens of GB over the suite.
     Function-scoped `tmp_path` dirs of passing tests go right away (tmp_path_retention_policy in pyproject.toml).
     """
     d = tmp_path_factory.mktemp(name)

@@ -15,7 +15,7 @@ LOCAL_SLURM = ROOT / "launch" / "local_slurm.sh"
 
 def skip_reason():
     if os.environ.get("LOGO_TEST_SLURM") != "1":
-        return ("real-SLURM tests are opt-in (they bring up slurmctld/slurmd and take ~15 min): "
+        return ("real-SLURM tests are opt-in (they bring up slurmctld/slurmd and take minutes): "
                 "set LOGO_TEST_SLURM=1; test_launch.py covers the launchers with stand-ins")
     if shutil.which("sbatch") is None:
         return "sbatch not installed (the stand-in tests in test_launch.py cover the launchers)"

@@ -1,4 +1,4 @@
-"""Budget fidelity (issue 13): each controller on synthetic gate streams and on a model whose gate is flat,
+"""Budget fidelity: each controller on synthetic gate streams and on a model whose gate is flat,
 the quantile estimate, windowed ratios, the off-budget warning, and the controller's checkpoint state."""
 import logging
 import math
@@ -70,7 +70,7 @@ def test_quantile_controller_holds_rho_on_synthetic_streams(stream):
 
 
 def test_sign_controller_on_synthetic_streams_is_reported():
-    """The paper's controller: converges on a gate with spread, averages 0.5 on a flat gate (issue 13)."""
+    """The paper's controller: converges on a gate with spread, averages 0.5 on a flat gate."""
     rho = 0.25
     out = {}
     for stream in (stationary, flat):
@@ -288,10 +288,10 @@ def test_quantile_controller_on_gpu_bf16_matches_cpu_histogram():
 
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("os").environ.get("LOGO_TEST_LONG") != "1",
-                    reason="the whole default CPU run (~6 min on 2 cores): set LOGO_TEST_LONG=1")
+                    reason="the whole default CPU run (minutes): set LOGO_TEST_LONG=1")
 def test_default_cpu_run_holds_rho_per_layer_with_the_quantile_controller(tmp_path, default_corpus):
     """README's default `python train.py` (100 steps) with attention.budget_control=quantile: every layer's mean
-    realized ratio over the last 20% of steps is within 0.05 of rho (issue 13)."""
+    realized ratio over the last 20% of steps is within 0.05 of rho."""
     from conftest import read_metrics, run_train
     run_train("attention.budget_control=quantile", "logging.interval=1", "logging.progress_bar=false",
               f"run.dir={tmp_path}", timeout=1500)

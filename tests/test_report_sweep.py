@@ -18,7 +18,7 @@ SWEEP = ["-m", "model=tiny,small", "attention=full,logo", "train.seed=0,1", "dat
          "attention.gamma=0.01", "eval.tokens=256"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
-pytestmark = pytest.mark.slow  # eight short training runs (about 2-3 min on 2 idle CPU cores)
+pytestmark = pytest.mark.slow  # eight short training runs
 
 
 @pytest.fixture(scope="module")
