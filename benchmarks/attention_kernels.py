@@ -305,7 +305,8 @@ def _sdpa_cudnn(q, k, v):
 
 
 def _sweep_configs(kind):
-    """(label, CONFIG_OVERRIDE entry, timed part) triples for one kernel kind."""
+    """(label, launch parameters over the defaults (`_attn._default_cfg`), timed part) triples for one kernel
+    kind."""
     if kind == "global":
         fwd = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3),
                (64, 64, 4, 4), (128, 64, 4, 3)]
@@ -313,41 +314,41 @@ def _sweep_configs(kind):
               (64, 128, 8, 3)]
         dkdv = [(64, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 8, 3),
                 (64, 64, 8, 3), (32, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (32, 64, 4, 3)]
-        atomic = [(64, 128, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]
     else:
         fwd = [(128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)]
         dq = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3)]
         dkdv = [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)]
-        atomic = [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 4, 2)]
     out = [(f"fwd {c}", {"fwd": c}, "fwd") for c in fwd]
-    out += [(f"dq {c}", {"dq": c, "dq_mode": "separate"}, "bwd") for c in dq]
-    out += [(f"dkdv {c}", {"dkdv": c, "dq_mode": "separate"}, "bwd") for c in dkdv]
-    out += [(f"dkdv+atomic dq {c}", {"dkdv": c, "dq_mode": "atomic"}, "bwd") for c in atomic]
+    out += [(f"dq {c}", {"dq": c}, "bwd") for c in dq]
+    out += [(f"dkdv {c}", {"dkdv": c}, "bwd") for c in dkdv]
     return out
 
 
 def sweep(T, window, sweep_filter=(), docs=1):
     """Each kernel's block sizes / warps / stages, one at a time, at rho=0.5 (global) and for the window;
-    the backward rows time the whole backward (delta + dQ + dK/dV). docs: equal sequences in the T tokens."""
+    the backward rows time the whole backward (dQ with delta, then dK/dV). docs: equal sequences in the T tokens.
+    Each row's parameters replace the kernels' `_attn._cfg` while it is timed."""
     q, k, v = packed_qkv(T)
     cu = torch.arange(0, T + 1, T // docs, dtype=torch.int32, device="cuda")
     rows, pos, cu_q = static_selection(T, 0.5, docs=docs)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     scale = 1 / math.sqrt(D)
+    default_cfg = _attn._cfg
     for kind, (qp, rw, cq, w) in {"global": (pos, rows, cu_q, 0), "window": (None, None, cu, window)}.items():
         o, lse = _attn.attn_forward(qd, kd, vd, qp, rw, cq, cu, scale, w)
         do = torch.randn_like(o)
         for label, override, part in _sweep_configs(kind):
             if sweep_filter and not any(f in f"{kind} {label}" for f in sweep_filter):
                 continue
-            _attn.CONFIG_OVERRIDE.clear()
-            _attn.CONFIG_OVERRIDE[(kind, D, DT)] = override
+            _attn._cfg = (lambda *a, o=override: {**default_cfg(*a), **o})
             if part == "fwd":
                 fn = (lambda: _attn.attn_forward(qd, kd, vd, qp, rw, cq, cu, scale, w))
             else:
                 fn = (lambda: _attn.attn_backward(do, qd, kd, vd, o, lse, qp, rw, cq, cu, scale, w))
-            record(f"sweep {kind} {label}", T, fn, extra=dict(kind=kind, part=part, override=str(override)))
-    _attn.CONFIG_OVERRIDE.clear()
+            try:
+                record(f"sweep {kind} {label}", T, fn, extra=dict(kind=kind, part=part, override=str(override)))
+            finally:
+                _attn._cfg = default_cfg
 
 
 def profile(T, window, out: Path):

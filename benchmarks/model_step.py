@@ -18,7 +18,7 @@ and the untrained gate's offset routed 0.17-0.50 of the rows depending on shape 
 
 Every (shape, kind) runs in a fresh subprocess, so the peak memory is that run's own; a CUDA out-of-memory is
 reported as "oom", a crash as "crash". Each run builds its model and step from the project's own code:
-`logo.train.config.compose` (the train.py config), the meta-device `Transformer`, `logo.parallelize.parallelize`
+`logo.train.config.compose` (the train.py config), the meta-device `Transformer`, `logo.parallel.parallelize`
 (train.compile, activation checkpointing), fused AdamW and `logo.train.step.train_step` / `optimizer_step` with
 train.loss, bf16 autocast on GPU. Data: random tokens, every row one document.
 Python's automatic garbage collection is off during the steps and generations 0-1 are collected every
@@ -86,7 +86,7 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
     from logo.model import BudgetController, Transformer
     from logo.model.flops import mfu, param_counts, peak_bf16_flops, realized_ratios
     from logo.model.lm_head import resolve_loss_impl
-    from logo.parallelize import parallelize
+    from logo.parallel import parallelize
     from logo.train.config import compose
     from logo.train.step import DivergenceMonitor, make_optimizer, optimizer_step, train_step
 

@@ -14,7 +14,6 @@ FUSIONS = ("weighted", "additive")
 BUDGET_CONTROLS = ("threshold", "quantile", "aux_loss")
 GLOBAL_LAYER_KINDS = ("full", "logo")
 BACKENDS = ("auto", "reference", "triton", "flash")
-RECOMPUTE_MODES = ("compiled", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -56,26 +55,6 @@ class AttentionConfig:
     aux_loss_temperature: float = 0.05  # aux_loss: tau of the soft routing surrogate
     gate_init_std: float = 1e-3  # near-zero gate init: p starts ~0.5
     document_mask: bool = True  # keep attention inside documents when the batch carries boundaries
-    # Keep only the attention outputs of the two branches for the backward and recompute their inputs there (the
-    # rotated local q, k and the transformed, rotated global q, k, v; logo/model/recompute.py): compiled | always |
-    # never. On one H100 at 1.5B/8k it saved 3.8 GiB for +2.5% step time compiled, 4.2 GiB for +13% eager
-    # (docs/benchmarks.md); "compiled" (default) recomputes only inside torch.compile (train.compile, or the
-    # compiled glue of eager CUDA training below). Never under activation checkpointing, which recomputes the
-    # whole block anyway (LoGoAttention.block_recomputed).
-    recompute_branch_inputs: str = "compiled"
-    # Eager CUDA training: run the LoGo layer's glue (gate, routing, transforms, RoPE, norms, fusion) around the
-    # attention kernels as one torch.compile region shared by all layers (logo_attention.py `compile_glue`).
-    compile_glue: bool = True
-    # LP transforms on the Triton backend: RoPE of q, k and of their global transforms in one kernel per tensor
-    # (logo/kernels/triton/_rope.py); false runs the unfused batched matmuls and RoPEs (same math, rounded twice).
-    fuse_rope: bool = True
-    # With fuse_rope: the RoPE + transforms and both attention branches as one custom op each way
-    # (logo/kernels/branches.py: fewer op calls, hence less host time per layer); false calls them as three ops
-    # forward and four backward (same kernels and values, v's gradient added separately).
-    fuse_branches: bool = True
-    # ContextNorm on the Triton backend: both head-wise RMSNorms and the fusion in one kernel each way
-    # (logo/kernels/triton/_fuse.py); false runs the PyTorch expression (same math and roundings).
-    fuse_context_norm: bool = True
     # attention ops: auto (FlashAttention-4 on Hopper when installed, else Triton on CUDA; reference on CPU) |
     # reference | triton | flash (logo/kernels/dispatch.py)
     backend: str = "auto"
@@ -95,9 +74,6 @@ class AttentionConfig:
             _fail("attention.budget_control", self.budget_control, f"choose one of {list(BUDGET_CONTROLS)}")
         if self.global_layer not in GLOBAL_LAYER_KINDS:
             _fail("attention.global_layer", self.global_layer, f"choose one of {list(GLOBAL_LAYER_KINDS)}")
-        if self.recompute_branch_inputs not in RECOMPUTE_MODES:
-            _fail("attention.recompute_branch_inputs", self.recompute_branch_inputs,
-                  f"choose one of {list(RECOMPUTE_MODES)}")
         if self.backend not in BACKENDS:
             _fail("attention.backend", self.backend, f"choose one of {list(BACKENDS)}")
         if not (self.gamma > 0):

@@ -144,14 +144,15 @@ def test_logo_block_compiled_fullgraph_equals_eager(threshold):
 
 
 def test_compiled_block_keeps_fewer_activations_with_recompute():
-    """attention.recompute_branch_inputs=compiled: a compiled block keeps less for its backward than with never
-    (the policy reaches the compiled graph), with the same outputs and gradients."""
+    """A compiled block recomputes the branch inputs in the backward (`AttentionOps.recomputes_branch_inputs`): it
+    keeps less for its backward than with them kept (as under activation checkpointing, `block_recomputed`), with
+    the same outputs and gradients (the policy reaches the compiled graph)."""
     device = "cuda" if CUDA else "cpu"
     B, T = 2, 16
     results = {}
     for mode in ("never", "compiled"):
         block, cfg = logo_block(device)
-        block.attention.attn_cfg.recompute_branch_inputs = mode
+        block.attention.attention_ops.block_recomputed = mode == "never"
         seqs = PackedSeqs.build(B, T, device)
         cos, sin = rope_cos_sin(T, cfg.head_dim, 10000.0, device)
         x0 = torch.randn(B, T, cfg.dim, device=device, generator=torch.Generator(device).manual_seed(2))
@@ -208,7 +209,7 @@ def test_logo_layer_has_no_host_sync_on_gpu():
     x = torch.randn(B, T, 1024, device="cuda", requires_grad=True)
     with torch.no_grad():
         layer.threshold.copy_(layer.gate_probs(x).median().reshape(1))
-    with torch.autocast("cuda", dtype=torch.bfloat16):  # warm-up: compiles the glue (attention.compile_glue)
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # warm-up
         layer(x, cos, sin, seqs)[0].float().square().mean().backward()
     x.grad = None
     torch.cuda.synchronize()
@@ -282,47 +283,3 @@ def test_logo_block_replays_as_cuda_graph():
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
         for a, e in zip(grads, wgrads):
             torch.testing.assert_close(a, e, atol=5e-4, rtol=1e-3)
-
-
-def test_compiled_glue_is_one_graph_for_every_layer(monkeypatch):
-    """attention.compile_glue: the layers of a model share one compiled `glue` (no recompilation from one
-    layer to the next, for a new threshold or for a batch with more documents), with eager's outputs and
-    gradients. On CPU the test forces the path on (it runs on CUDA training steps only) and compiles with
-    aot_eager."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from logo.model import Transformer, logo_attention
-    torch.manual_seed(0)
-    cfg = ModelConfig(dim=64, n_layers=3, n_heads=2, vocab_size=64,
-                      attention=AttentionConfig(kind="logo", window=4, gate_init_std=0.5)).validate()
-    model = Transformer(cfg)
-    model.init_weights()
-    tokens = torch.randint(0, 64, (2, 17))
-    cu = None  # first batch: every row one document (cu_seqlens = the row boundaries)
-
-    def loss_and_grads():
-        out = model(tokens[:, :-1], cu_seqlens=cu)
-        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        return loss.detach(), grads, out.routing
-
-    want = loss_and_grads()
-    torch._dynamo.reset()
-    monkeypatch.setattr(logo_attention.LoGoAttention, "compile_glue", lambda self, x: True)
-    counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(logo_attention, "_COMPILED_GLUE",
-                        torch.compile(logo_attention.LoGoAttention.glue, fullgraph=True, backend=counter))
-    got = loss_and_grads()
-    cu = torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32)  # documents
-    loss_and_grads()
-    for layer in model.logo_layers():
-        layer.threshold.fill_(0.45)
-    loss_and_grads()
-    cu = torch.tensor([0, 3, 9, 16, 20, 27, 32], dtype=torch.int32)  # another batch: two more documents
-    loss_and_grads()
-    assert counter.frame_count == 1  # one graph for 3 layers x 2 thresholds x 3 document counts
-    assert torch.equal(got[2][:, :2], want[2][:, :2])  # same decisions (the routing stats, computed in the region)
-    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-6)  # and the same gate sums
-    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

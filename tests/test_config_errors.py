@@ -22,7 +22,6 @@ def load(*overrides):
     (["attention.window=0"], "attention.window"),
     (["attention.kind=sparse"], "attention.kind"),
     (["attention.transform=mlp"], "attention.transform"),
-    (["attention.recompute_branch_inputs=sometimes"], "attention.recompute_branch_inputs"),
     (["attention=inter_layer", "attention.global_fraction=0.3"], "attention.global_fraction"),
     (["stage.global_batch_tokens=1000"], "stage.global_batch_tokens"),
     (["stage.lr_min=1.0"], "stage.lr_min"),

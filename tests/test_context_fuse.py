@@ -114,8 +114,7 @@ def _layer(fused: bool, fusion: str):
     D = HEAD_DIMS[-1]
     torch.manual_seed(0)
     cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1, attention=AttentionConfig(
-        kind="logo", window=8, backend="triton", gate_init_std=0.5, fusion=fusion,
-        fuse_context_norm=fused)).validate()
+        kind="logo", window=8, backend="triton", gate_init_std=0.5, fusion=fusion)).validate()
     layer = LoGoAttention(cfg).to(DEVICE)
     layer.init_weights(0.5, 0.5)
     with torch.no_grad():  # norm weights away from one, so their gradients and products matter
@@ -127,12 +126,14 @@ def _layer(fused: bool, fusion: str):
 @pytest.mark.parametrize("fusion", ["weighted", "additive"])
 def test_logo_layer_fused_equals_unfused(fusion, monkeypatch):
     """The LoGo layer on the Triton backend, float32: output and the gradients of x, the gate, both norm weights
-    and W_o, fused against attention.fuse_context_norm=false; the fused op runs only when on."""
+    and W_o, fused against the PyTorch expression (where `dispatch.fuses_context_norm` says no); the fused op runs
+    only where it says yes."""
     calls = []
-    real = dispatch.context_fuse
+    real, fuses = dispatch.context_fuse, dispatch.fuses_context_norm
     monkeypatch.setattr(dispatch, "context_fuse", lambda *a, **k: calls.append(1) or real(*a, **k))
     results = []
     for fused in (True, False):
+        monkeypatch.setattr(dispatch, "fuses_context_norm", fuses if fused else lambda *a, **k: False)
         layer, _ = _layer(fused, fusion)
         out, dx, stats = logo_layer_step(layer)
         assert 0 < stats[0] < 48

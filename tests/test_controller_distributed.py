@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from conftest import free_port
 from logo.config import AttentionConfig, model_config
 from logo.model import BudgetController, Transformer
+from logo.parallel import sum_over_ranks
 
 FSDP_OPTIONS = {  # None: the plain model on each rank (tests/test_train_distributed.py covers "always"/0/0)
     "plain": None,
@@ -61,7 +62,7 @@ def _worker(rank, port, out_dir, fsdp, budget_control="threshold"):
             from torch.distributed.device_mesh import init_device_mesh
             from logo.parallel import apply_fsdp
             apply_fsdp(model, init_device_mesh("cpu", (2,)), torch.float32, **fsdp)
-        ctrl = BudgetController(model, process_group=dist.group.WORLD)
+        ctrl = BudgetController(model, reduce=sum_over_ranks(dist.group.WORLD))
         hist = run_steps(model, ctrl, lambda s: global_batch(s).chunk(2)[rank])
         torch.save(hist, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # both ranks done with every collective before either tears its group down

@@ -1,6 +1,6 @@
 """The LoGo layer's branches as one op pair (`logo::logo_branches_fwd/bwd`, logo/kernels/branches.py) against the
 separate ops it replaces (rope_transform, then the sliding window and the query-sparse attention), opcheck, the
-rope backward's added v gradient, and the layer with attention.fuse_branches on and off.
+rope backward's added v gradient, and the layer with the op pair on and off.
 
 Tolerances: the op runs the same kernels (Triton, interpreted on CPU) or the same reference as the separate ops, so
 outputs are equal; gradients differ only where v's two gradients are added: inside the RoPE + transform backward
@@ -43,7 +43,7 @@ def problem(dtype, select: str = "half", seed: int = 0, cu=(0, 10, 24, 31, 48)):
 
 
 def separate(q, k, v, A, cos, sin, seqs, sel, impl):
-    """What the layer runs with attention.fuse_branches=false: three differentiable ops."""
+    """What the layer runs without the op pair (`AttentionOps._composed_branches`): three differentiable ops."""
     qr, kr, qg, kg, vg = ops.rope_transform(q, k, v, A, cos, sin, impl != "reference")
     o_local = ops.sliding_window_attention(qr, kr, v, seqs.cu_seqlens, WINDOW, impl=impl)
     o_global = ops.query_sparse_attention(qg, kg, vg, seqs.pos, sel.rows, sel.cu_seqlens_q, seqs.cu_seqlens,
@@ -151,12 +151,28 @@ def test_bad_inputs_are_named():
         branches.logo_branches(q, k, v, A, cos, sin, seqs.pos, sel.rows[:9], sel.cu_seqlens_q, seqs.cu_seqlens, 4)
 
 
+class _Ops(dispatch.AttentionOps):
+    """The plain ops with the op pair on or off and the branch inputs recomputed always, never or (compiled) while
+    torch.compile traces (the default)."""
+
+    def __init__(self, fuse: bool, recompute: str):
+        self.fuse, self.recompute = fuse, recompute
+
+    def fuses_branches(self, q, A, backend):
+        return self.fuse and super().fuses_branches(q, A, backend)
+
+    def recomputes_branch_inputs(self):
+        if self.recompute == "compiled":
+            return super().recomputes_branch_inputs()
+        return torch.is_grad_enabled() and self.recompute == "always"
+
+
 def _layer(fuse_branches: bool, recompute: str):
     torch.manual_seed(0)
     cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1,
-                      attention=AttentionConfig(kind="logo", window=WINDOW, backend="triton", gate_init_std=0.5,
-                                                recompute_branch_inputs=recompute, fuse_branches=fuse_branches))
+                      attention=AttentionConfig(kind="logo", window=WINDOW, backend="triton", gate_init_std=0.5))
     layer = LoGoAttention(cfg).to(DEVICE)
+    layer.attention_ops = _Ops(fuse_branches, recompute)
     layer.init_weights(0.5, 0.5)
     with torch.no_grad():  # a transform away from identity, so its gradient and product matter
         layer.transform.A.add_(0.1 * torch.randn_like(layer.transform.A))
@@ -165,31 +181,33 @@ def _layer(fuse_branches: bool, recompute: str):
 
 @pytest.mark.parametrize("recompute", ["never", "always"])
 def test_layer_with_one_op_equals_separate_ops(monkeypatch, recompute):
-    """The LoGo layer, float32 on the Triton backend: attention.fuse_branches on (one op call) against off (the
-    separate ops, and the recompute policy's checkpoint for `always`): output and the gradients of x, A, W_q, W_v."""
+    """The LoGo layer, float32 on the Triton backend: the op pair (one op call) against the separate ops composed in
+    PyTorch (and the recompute policy's checkpoint for `always`): output and the gradients of x, A, W_q, W_v."""
     calls = []
-    real = dispatch.logo_branches
-    monkeypatch.setattr(dispatch, "logo_branches", lambda *a: calls.append(a[-2]) or real(*a))
+    real = branches.logo_branches
+    monkeypatch.setattr(branches, "logo_branches", lambda *a, **k: calls.append(a[11]) or real(*a, **k))
     results = []
     for fuse in (True, False):
         layer, _ = _layer(fuse, recompute)
         out, dx, stats = logo_layer_step(layer)
         assert 0 < stats[0] < 48
         results.append((out, dx, layer.transform.A.grad, layer.wq.weight.grad, layer.wv.weight.grad))
-    assert calls == [recompute == "never"]  # once, with fuse_branches on; keep_rotated unless recomputing
+    assert calls == [recompute == "never"]  # once, with the op pair; keep_rotated unless recomputing
     for name, a, b in zip(("out", "dx", "dA", "dWq", "dWv"), *results, strict=True):
         close(a, b, 1e-6, 1e-7, name)
 
 
-def test_no_op_pair_under_an_override():
-    """Context parallelism overrides the attention ops: the layer then calls the separate ops."""
+def test_no_op_pair_under_context_parallelism():
+    """Context parallelism's ops (with a micro-batch layout set) call the separate ops, each with its communication;
+    the plain ops run the pair where the fused RoPE + transform runs."""
+    from logo.parallel.cp import ContextParallelOps
     layer, _ = _layer(True, "never")
-    q = torch.zeros(4, 2, D, device=DEVICE)
-    assert layer.fuses_branches(q)
-    with dispatch.override(dispatch.local_ops):
-        assert not layer.fuses_branches(q)
-    layer.attn_cfg.fuse_rope = False
-    assert not layer.fuses_branches(q)
+    q, A = torch.zeros(4, 2, D, device=DEVICE), layer.transform.A
+    assert dispatch.AttentionOps().fuses_branches(q, A, "triton")
+    assert not dispatch.AttentionOps().fuses_branches(q, None, "triton")  # no LP transforms
+    assert not dispatch.AttentionOps().fuses_branches(q, A, "reference")
+    assert ContextParallelOps(None).fuses_branches(q, A, "triton")  # no layout: the plain ops
+    assert not ContextParallelOps(None, layout=object()).fuses_branches(q, A, "triton")
 
 
 @pytest.mark.parametrize("recompute", ["compiled", "never"])

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from logo.config import AttentionConfig, ModelConfig
-from logo.model.layers import PackedSeqs, rope_cos_sin
+from logo.kernels import dispatch
+from logo.model.layers import PackedSeqs, autocast_input, rope_cos_sin
 from logo.model.logo_attention import LoGoAttention
+from logo.model.routing import routing_stats
 
 from conftest import close_in_norm, kept_for_backward
 
@@ -142,7 +144,7 @@ def test_unselected_rows_equal_local_output_exactly(dtype, seed):
     x = x.to(dtype)
     p = layer.gate_probs(x)
     layer.threshold.fill_(float(p.detach().quantile(0.4)))
-    o, _, z, _ = layer.mix(x, cos, sin, seqs)
+    o, _, z, _ = _mix(layer, x, cos, sin, seqs)
     assert 0 < int(z.sum()) < z.numel()
     ref = local_only_output(layer, x, cos, sin, seqs)
     assert torch.equal(o[~z], ref[~z])  # bitwise
@@ -162,7 +164,7 @@ def test_gate_gradient_flows_only_through_selected_rows():
 
     layer.gate_probs = spy
     layer.threshold.fill_(float(original(x).detach().median()))
-    o, p, z, _ = layer.mix(x, cos, sin, seqs)
+    o, p, z, _ = _mix(layer, x, cos, sin, seqs)
     (o * torch.randn_like(o)).sum().backward()
     g = captured["grad"]
     assert torch.all(g[~z] == 0)
@@ -179,7 +181,7 @@ def test_padding_is_never_routed_nor_counted():
     cos, sin = rope_cos_sin(T, 16, 10000.0, "cpu", dtype=torch.float64)
     layer.threshold.fill_(-1.0)  # everything valid selected
     out, _, stats = layer(x, cos, sin, seqs)
-    _, _, z, _ = layer.mix(x, cos, sin, seqs)
+    _, _, z, _ = _mix(layer, x, cos, sin, seqs)
     assert stats[0] == 26 and stats[1] == 26
     assert not z.view(B, T)[1, 10:].any()
 
@@ -266,10 +268,27 @@ def _saved_bytes_and_grads(layer, x, seqs, cos, sin):
     return sum(storages.values()), out.detach(), grads
 
 
+def _mix(layer, x, cos, sin, seqs):
+    """The layer's output before W_o (N, H, D), p (N,), z (N,) and its routing stats (K,)."""
+    x_low = autocast_input(x)
+    o, p, z = layer.branches(x, x_low, *layer.project(x_low), cos, sin, seqs)
+    return o, p, z, routing_stats(z, p, seqs.valid, layer.threshold, layer.attn_cfg)
+
+
+class _Recompute(dispatch.AttentionOps):
+    """The plain ops, recomputing the branch inputs in the backward (in eager mode too) or keeping them."""
+
+    def __init__(self, recompute: bool):
+        self.recompute = recompute
+
+    def recomputes_branch_inputs(self):
+        return self.recompute and torch.is_grad_enabled()
+
+
 @pytest.mark.parametrize("variant", [dict(), dict(transform="so"), dict(transform="shared"), dict(transform="full")],
                          ids=["lp", "so", "shared", "full"])
 def test_recomputing_branch_inputs_changes_nothing_but_the_kept_activations(variant):
-    """attention.recompute_branch_inputs=always (vs never): the backward recomputes the rotated local q, k and
+    """Branch inputs recomputed (`AttentionOps.recomputes_branch_inputs`, vs kept): the backward recomputes the rotated local q, k and
     the global q, k, v instead of keeping them: the same outputs and gradients to the last bit (float64, the
     recomputation repeats the forward's arithmetic), and fewer (N, H, D) tensors kept: at least four fewer with a transform (the
     pre-RoPE q, k are kept instead of five rotated or transformed tensors), two with the shared one (four rotated
@@ -279,7 +298,7 @@ def test_recomputing_branch_inputs_changes_nothing_but_the_kept_activations(vari
     layer.threshold.fill_(0.5)
     results = {}
     for recompute in (False, True):
-        layer.attn_cfg.recompute_branch_inputs = "always" if recompute else "never"
+        layer.attention_ops = _Recompute(recompute)
         results[recompute] = _saved_bytes_and_grads(layer, x, seqs, cos, sin)
     (kept, out, grads), (kept_r, out_r, grads_r) = results[False], results[True]
     assert torch.equal(out_r, out)
@@ -371,29 +390,6 @@ def test_gate_weight_gradient_is_fp32_when_compiled_under_autocast():
         (p * weights).sum().backward()
         grads.append((gate.weight.grad, xx.grad))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
-
-
-def test_compiled_glue_keeps_the_bf16_input_itself():
-    """LoGoAttention.glue compiled (the eager step's glue region) under autocast keeps no fp32 copy and no
-    second bf16 copy of the attention input: only x_low, shared with the projections."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=64,
-                      attention=AttentionConfig(kind="logo", window=8, backend="reference")).validate()
-    layer = LoGoAttention(cfg)
-    layer.init_weights(0.2, 0.2)
-    layer.compile_glue = lambda x: True
-    x = torch.randn(2, 32, 64, requires_grad=True)
-    seqs = PackedSeqs.build(2, 32, "cpu")
-    cos, sin = rope_cos_sin(32, 16, 10000.0, "cpu")
-    from logo.model import logo_attention
-    compiled = torch.compile(LoGoAttention.glue, backend="aot_eager", fullgraph=True)
-    original = logo_attention._COMPILED_GLUE
-    logo_attention._COMPILED_GLUE = compiled
-    try:
-        assert _kept_copies_of(x, lambda: layer(x * 1.0, cos, sin, seqs)) == (0, 1)
-    finally:
-        logo_attention._COMPILED_GLUE = original
-
 
 
 def test_gate_takes_the_narrow_copy_path_only_when_handed_x_low():

@@ -72,11 +72,11 @@ def test_set_overrides_reach_every_run_config():
     """--set KEY=VALUE is appended to each run's train.py overrides (after the kind's own)."""
     from logo.train.config import compose
     ms = _model_step_module()
-    args = ms.parse_args(["--kinds", "logo", "--set", "attention.recompute_branch_inputs=never"])
+    args = ms.parse_args(["--kinds", "logo", "--set", "attention.window=64"])
     ov = ms.overrides("tiny", "logo", False, False, "auto", args.set)
-    assert ov[-1] == "attention.recompute_branch_inputs=never"
+    assert ov[-1] == "attention.window=64"
     cfg, _, _ = compose(ov)
-    assert cfg.model.attention.recompute_branch_inputs == "never" and cfg.model.attention.budget_control == "quantile"
+    assert cfg.model.attention.window == 64 and cfg.model.attention.budget_control == "quantile"
 
 
 def _run(kind, repeat, ms, status="ok"):

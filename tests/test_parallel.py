@@ -176,7 +176,7 @@ def test_cuda_graph_blocks_refuse_a_mesh():
     (collectives inside the blocks) parallelize refuses, naming the setting, before compiling anything."""
     from logo.config import model_config
     from logo.model import Transformer
-    from logo.parallelize import parallelize
+    from logo.parallel import parallelize
     model = Transformer(model_config("tiny", attention=AttentionConfig(kind="logo")))
     with pytest.raises(ValueError, match="compile_mode=reduce-overhead"):
         parallelize(model, object(), torch.float32, compile_blocks=True, compile_mode="reduce-overhead")
@@ -190,7 +190,7 @@ def test_blocks_compile_with_the_mode_and_the_block_options(monkeypatch, mode):
     options, not both)."""
     from logo.config import model_config
     from logo.parallel import fsdp
-    from logo.parallelize import parallelize
+    from logo.parallel import parallelize
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **kw: seen.append((a, kw)))
     model = Transformer(model_config("tiny", attention=AttentionConfig(kind="logo")))

@@ -182,14 +182,31 @@ def test_bad_inputs_are_named():
         ops.rope_transform(xs, xs, xs, torch.zeros(3, 2, 24, 24, device=DEVICE), c, c, use_triton=True)
 
 
+class _SeparateOps(dispatch.AttentionOps):
+    """The branches as separate ops (the op pair: test_logo_branches.py), with the fused RoPE + transform or (not
+    `fused`) the einsum + RoPE, and the branch inputs recomputed in the backward or kept."""
+
+    def __init__(self, fused: bool, recompute: str):
+        self.fused, self.recompute = fused, recompute
+
+    def fuses_branches(self, q, A, backend):
+        return False
+
+    def recomputes_branch_inputs(self):
+        return torch.is_grad_enabled() and self.recompute == "always"
+
+    def _composed_branches(self, q, k, v, cos, sin, batch, q_pos, rows, cu_q, cu_k, window, backend, A, global_qkv):
+        return super()._composed_branches(q, k, v, cos, sin, batch, q_pos, rows, cu_q, cu_k, window, backend,
+                                          A if self.fused else None, global_qkv)
+
+
 def _layer(fused: bool, recompute: str = "never"):
     D = HEAD_DIMS[-1]
     torch.manual_seed(0)
     cfg = ModelConfig(dim=2 * D, n_heads=2, n_layers=1,
-                      attention=AttentionConfig(kind="logo", window=8, backend="triton", gate_init_std=0.5,
-                                                recompute_branch_inputs=recompute, fuse_rope=fused,
-                                                fuse_branches=False))  # the op on its own (test_logo_branches.py)
+                      attention=AttentionConfig(kind="logo", window=8, backend="triton", gate_init_std=0.5))
     layer = LoGoAttention(cfg).to(DEVICE)
+    layer.attention_ops = _SeparateOps(fused, recompute)
     layer.init_weights(0.5, 0.5)
     with torch.no_grad():  # a transform away from identity, so its gradient and product matter
         layer.transform.A.add_(0.1 * torch.randn_like(layer.transform.A))
@@ -212,7 +229,7 @@ def _run(layer, cfg, D):
 
 def test_logo_layer_fused_equals_unfused(monkeypatch):
     """The LoGo layer on the Triton backend: fused RoPE + transform (q, k, v) against the unfused einsum + RoPE
-    (attention.fuse_rope=false), float32: output and the gradients of x, A (each transform's), W_q, W_v; the fused
+    (the PyTorch composition without the fused kernel), float32: output and the gradients of x, A (each transform's), W_q, W_v; the fused
     op runs only when on."""
     calls = []
     monkeypatch.setattr(dispatch, "rope_transform", lambda *a, **k: calls.append(1) or ops.rope_transform(
@@ -227,7 +244,7 @@ def test_logo_layer_fused_equals_unfused(monkeypatch):
 
 
 def test_fused_op_is_recomputed_not_kept():
-    """recompute_branch_inputs=always: the fused op's five outputs are recomputed in the backward (not kept),
+    """Branch inputs recomputed in the backward: the fused op's five outputs are recomputed in the backward (not kept),
     with the same gradients."""
     (out, *grads), kept_never = _run(*_layer(True, "never"))
     (out_r, *grads_r), kept_always = _run(*_layer(True, "always"))

@@ -209,25 +209,6 @@ def test_trailing_empty_sequences_change_nothing(case):
         assert torch.equal(a, b)
 
 
-@pytest.fixture
-def atomic_dq():
-    """Switch both kernel kinds to the atomic-dQ backward for one test."""
-    _attn.CONFIG_OVERRIDE.clear()
-    _attn.CONFIG_OVERRIDE.update({("global",): {"dq_mode": "atomic"}, ("window",): {"dq_mode": "atomic"}})
-    yield
-    _attn.CONFIG_OVERRIDE.clear()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["random", "skip_a_seq", "window7", "window100", "causal"])
-def test_atomic_dq_backward_matches_reference(case, dtype, atomic_dq):
-    lengths = LENGTHS["with_len1"]
-    (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[1], dtype, seed=21)
-    fns = case_fns(case, lengths, cu, seed=8)
-    res = run_both(*fns, [q, k, v], dtype, 3)
-    check_all(*res, dtype, f"atomic dQ [{case}]")
-
-
 @pytest.mark.parametrize("case", ["window7", "window20", "causal", "random", "skip_a_seq"])
 def test_one_loop_equals_the_three_region_loops(case):
     """`one_loop` (every key block of a program through the masked loop; the window's default) gives the same bits
@@ -251,15 +232,25 @@ def test_the_window_runs_one_loop_by_default(dtype):
             assert window["one_loop"] and not glob["one_loop"], (dev, D)
 
 
+def _with_cfg(override, kinds=("global", "window")):
+    """A `_cfg` that puts `override` over the default launch parameters of the given kernel kinds."""
+    real = _attn._cfg
+
+    def cfg(D, dtype, window, device):
+        c = real(D, dtype, window, device)
+        return {**c, **override} if ("window" if window > 0 else "global") in kinds else c
+    return cfg
+
+
 def _grads_with(override, fns, inputs, g):
-    _attn.CONFIG_OVERRIDE.clear()
-    _attn.CONFIG_OVERRIDE.update({("global",): override, ("window",): override})
+    real = _attn._cfg
+    _attn._cfg = _with_cfg(override)
     try:
         xs = [x.detach().clone().requires_grad_() for x in inputs]
         out = fns[0](*xs)
         return [out, *torch.autograd.grad(out, xs, g)]
     finally:
-        _attn.CONFIG_OVERRIDE.clear()
+        _attn._cfg = real
 
 
 @pytest.mark.parametrize("smem,stages", [(232448, 4), (166912, 3), (0, 3)])
@@ -279,9 +270,8 @@ def test_four_stage_backward_only_where_shared_memory_allows(smem, stages, monke
         assert other["dq"][3] != 4 and other["dkdv"][3] != 4
 
 
-@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 @pytest.mark.parametrize("case", ["none", "one", "all", "random", "skip_a_seq", "window7", "causal"])
-def test_tma_loads_equal_pointer_loads(case, dq_mode, monkeypatch):
+def test_tma_loads_equal_pointer_loads(case, monkeypatch):
     """`desc` (TMA tiles of K/V in the forward, of q/dO in dK/dV; sparse queries through slot-ordered copies that
     the backward's first pass writes) gives the pointer path's outputs and gradients, with a strided dO: bit for
     bit on a GPU; under the CPU interpreter to fp32 rounding, since its dots are numpy matmuls whose summation
@@ -293,9 +283,9 @@ def test_tma_loads_equal_pointer_loads(case, dq_mode, monkeypatch):
     made = []
     real = _attn._row_desc
     monkeypatch.setattr(_attn, "_row_desc", lambda x, b: made.append(real(x, b)) or made[-1])
-    plain = _grads_with({"dq_mode": dq_mode, "desc": False}, fns, [q, k, v], g)
+    plain = _grads_with({"desc": False}, fns, [q, k, v], g)
     assert not made
-    tma = _grads_with({"dq_mode": dq_mode, "desc": True}, fns, [q, k, v], g)
+    tma = _grads_with({"desc": True}, fns, [q, k, v], g)
     assert len(made) == 4 and all(d is not None for d in made)  # k, v (forward); q, dO (dK/dV)
     for name, a, b in zip(("o", "dq", "dk", "dv"), tma, plain):
         assert torch.isfinite(a).all(), f"{name}: non-finite values on the TMA path"
@@ -328,19 +318,17 @@ class _SplitSpy:
         return launch
 
 
-@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 @pytest.mark.parametrize("block_n", [16, 32])
 @pytest.mark.parametrize("mode", ["none", "one", "all", "random", "skip_a_seq"])
 @pytest.mark.parametrize("lengths", [[53], [37, 5, 50], [0, 64, 0, 33, 2, 0]], ids=["one_seq", "docs", "empty_seqs"])
-def test_key_rows_and_split_equal_the_reference(lengths, mode, block_n, dq_mode, monkeypatch):
-    """The backward's per-slot key rows (written with delta: by the dQ kernel's prologue, or by the delta kernel
-    for atomic dQ) and per-KV-block first slots (binary search in `_split_kernel`) equal the PyTorch reference
+def test_key_rows_and_split_equal_the_reference(lengths, mode, block_n, monkeypatch):
+    """The backward's per-slot key rows (written with delta by the dQ kernel's prologue) and per-KV-block first slots (binary search in `_split_kernel`) equal the PyTorch reference
     `key_rows_and_split` (a searchsorted), also with empty sequences."""
     (q, k, v), cu = packed(lengths, 2, HEAD_DIMS[0], torch.float32, seed=9)
     rows, q_pos, cu_q = select(lengths, mode, seed=9)
     spy = _SplitSpy(_attn._split_kernel)
     monkeypatch.setattr(_attn, "_split_kernel", spy)
-    monkeypatch.setitem(_attn.CONFIG_OVERRIDE, ("global",), {"dkdv": (16, block_n, 4, 1), "dq_mode": dq_mode})
+    monkeypatch.setattr(_attn, "_cfg", _with_cfg({"dkdv": (16, block_n, 4, 1)}, kinds=("global",)))
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     ops.query_sparse_attention(*xs, q_pos, rows, cu_q, cu, impl="triton").sum().backward()
     (kidx, split, bn), = spy.seen
@@ -417,11 +405,9 @@ def test_logo_layer_triton_equals_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="full-size shapes need a GPU")
-@pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("D", [64, 128])
-def test_full_size_on_gpu(dtype, D, dq_mode, monkeypatch):
-    monkeypatch.setattr(_attn, "CONFIG_OVERRIDE", {("global",): {"dq_mode": dq_mode}, ("window",): {"dq_mode": dq_mode}})
+def test_full_size_on_gpu(dtype, D):
     lengths = [3001, 5191]  # 8k tokens in two documents
     (q, k, v), cu = packed(lengths, 4, D, dtype, seed=D)
     for mode in ("random", "skip_a_seq", "one", "none"):

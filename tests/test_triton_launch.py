@@ -110,9 +110,10 @@ def test_cached_launches_equal_plain_launches(monkeypatch, keep_rotated):
     backward's split and dA passes) and of its ContextNorm fusion: the same bits through the cache, on its first
     call and on a hit, as through kernel[grid]."""
     problem = _layer_problem()
-    monkeypatch.setattr(_launch, "FAST", False)
+    runtime = _launch._RUNTIME
+    monkeypatch.setattr(_launch, "_RUNTIME", None)  # every launch through kernel[grid]
     plain = _layer_outputs_and_grads(problem, keep_rotated)
-    monkeypatch.setattr(_launch, "FAST", True)
+    monkeypatch.setattr(_launch, "_RUNTIME", runtime)
     _launch.clear()
     first = _layer_outputs_and_grads(problem, keep_rotated)
     entries = len(_launch._cache)
@@ -130,9 +131,9 @@ def test_misaligned_inputs_get_their_own_compiled_kernel(monkeypatch):
     aligned = base[:N * H * D].view(N, H, D)
     shifted = base[1:1 + N * H * D].view(N, H, D)
     cu = torch.tensor([0, N], device="cuda", dtype=torch.int32)
-    outs = {}
+    outs, runtime = {}, _launch._RUNTIME
     for fast in (False, True):
-        monkeypatch.setattr(_launch, "FAST", fast)
+        monkeypatch.setattr(_launch, "_RUNTIME", runtime if fast else None)
         _launch.clear()
         outs[fast] = [ops.causal_attention(x, x, x, cu, impl="triton") for x in (aligned, shifted, aligned)]
     assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))

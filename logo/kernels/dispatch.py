@@ -10,16 +10,17 @@ The RoPE + transform and ContextNorm kernels (`fuses_rope_transform`, `fuses_con
 while a graph is compiled, so `torch.compile(fullgraph=True)` sees only the custom ops. `describe` states it in
 one line for the start-up report.
 
-`override(ops)` routes the three public ops to `ops` (an object with the same three methods, plus `backend`)
-inside a `with` block: context parallelism (`logo/parallel/cp.py`) uses it to add its communication around
-the same kernels, which it reaches through `local_ops` (never overridden).
+Modules call the attention ops through an `AttentionOps` object they own (`attention_ops`): the plain one runs
+the functions below; a parallelism plan installs its own subclass on the modules (context parallelism,
+`logo/parallel/cp.py`, adds its communication around the same kernels). `AttentionOps.logo_branches` is the LoGo
+layer's two branches: one op pair (`logo.kernels.branches`) where the fused RoPE + transform kernel applies, the
+PyTorch composition of the separate ops everywhere else (the reference backend, the non-LP transforms, head dims
+the kernels do not take, tensor-parallel DTensor transforms, context parallelism).
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import types
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,7 +32,6 @@ try:  # Triton missing or broken: the reference still works
 except Exception:  # noqa: BLE001
     _TRITON = False
 
-_override = None  # set by `override`
 BACKENDS = ("auto", "reference", "triton", "flash")
 
 
@@ -79,64 +79,30 @@ def describe(backend: str, device: torch.device, dtype: torch.dtype = torch.bflo
     return "triton"
 
 
-def overridden() -> bool:
-    """Whether an `override` block is active."""
-    return _override is not None
-
-
-@contextlib.contextmanager
-def override(impl):
-    """Within the block, the public ops below call `impl.<same name>(...)` with the same arguments."""
-    global _override
-    before, _override = _override, impl
-    try:
-        yield
-    finally:
-        _override = before
-
-
 def query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale: Optional[float] = None,
                            backend: str = "auto"):
     """Causal attention of the selected rows rows[:cu_seqlens_q[-1]] over dense keys/values: (N, H, D), zero at
     unselected rows. Static shapes, no host synchronisation (contract in `logo.kernels.reference`)."""
-    if _override is not None:
-        return _override.query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, backend)
-    return _query_sparse(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, backend)
+    return ops.query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale,
+                                      impl=attention_impl(q, backend))
 
 
 def sliding_window_attention(q, k, v, cu_seqlens, window: int, scale: Optional[float] = None,
                              backend: str = "auto"):
     """Causal sliding-window attention over packed sequences: (N, H, D)."""
-    if _override is not None:
-        return _override.sliding_window_attention(q, k, v, cu_seqlens, window, scale, backend)
-    return _sliding_window(q, k, v, cu_seqlens, window, scale, backend)
+    return ops.sliding_window_attention(q, k, v, cu_seqlens, window, scale, impl=attention_impl(q, backend))
 
 
 def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto", seqlen: int = 0):
     """Dense causal attention inside each packed sequence: every row a query (N, H, D). seqlen > 0: the sequences are
     whole rows of seqlen tokens (a layout hint; context parallelism, which cuts rows, ignores it)."""
-    if _override is not None:
-        return _override.causal_attention(q, k, v, cu_seqlens, scale, backend)
-    return _causal(q, k, v, cu_seqlens, scale, backend, seqlen)
-
-
-def _query_sparse(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, backend):
-    return ops.query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale,
-                                      impl=attention_impl(q, backend))
-
-
-def _sliding_window(q, k, v, cu_seqlens, window, scale, backend):
-    return ops.sliding_window_attention(q, k, v, cu_seqlens, window, scale, impl=attention_impl(q, backend))
-
-
-def _causal(q, k, v, cu_seqlens, scale, backend, seqlen: int = 0):
     return ops.causal_attention(q, k, v, cu_seqlens, scale, impl=attention_impl(q, backend), seqlen=seqlen)
 
 
 def fuses_rope_transform(x, A, backend: str = "auto") -> bool:
     """Whether `rope_transform` runs the fused Triton kernel for x (N, H, D) and A: the Triton backend, a plain
     tensor A (a DTensor under tensor parallelism is not), and a head dim the kernel's dots take on a GPU
-    (32..256; 16 under the CPU interpreter). The model keeps its unfused path otherwise."""
+    (32..256; 16 under the CPU interpreter). `AttentionOps.logo_branches` composes the separate ops otherwise."""
     return _use_triton(x, backend) and _plain(A) and _kernel_head_dim(x.shape[-1], 32 if x.is_cuda else 16)
 
 
@@ -148,7 +114,7 @@ def _plain(*tensors) -> bool:
 
 def _kernel_head_dim(D: int, lowest: int = 16) -> bool:
     """A head dim the fused Triton kernels take: a power of two in lowest..256 (`_check_dims` raises for the rest;
-    dispatch must not raise, so the model falls back to its PyTorch path instead)."""
+    dispatch must not raise, so the callers fall back to their PyTorch path instead)."""
     return lowest <= D <= 256 and not D & (D - 1)
 
 
@@ -156,16 +122,6 @@ def rope_transform(q, k, v, A, cos, sin, backend: str = "auto"):
     """RoPE(q), RoPE(k), RoPE(q A_0), RoPE(k A_1), v A_2 in one pass (logo::rope_transform_fwd); see
     `fuses_rope_transform`."""
     return ops.rope_transform(q, k, v, A, cos, sin, use_triton=_use_triton(q, backend))
-
-
-def logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window: int, keep_rotated: bool,
-                  backend: str = "auto"):
-    """The LoGo layer's RoPE + transforms and both attention branches in one op call each way
-    (logo::logo_branches_fwd): o_local, o_global (N, H, D). Where the fused RoPE + transform runs
-    (`fuses_rope_transform`) and no `override` is active (context parallelism adds its communication around the
-    separate attention ops)."""
-    return branches.logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window,
-                                  keep_rotated, impl=attention_impl(q, backend))
 
 
 def decode_attention(q, k, v, lengths, active, scale: Optional[float] = None, backend: str = "auto"):
@@ -176,11 +132,6 @@ def decode_attention(q, k, v, lengths, active, scale: Optional[float] = None, ba
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = "reference" if attention_impl(q, backend) == "reference" else "triton"
     return ops.decode_attention(q, k, v, lengths, active, scale, impl)
-
-
-# The ops without any override (what an override calls after its own work).
-local_ops = types.SimpleNamespace(query_sparse_attention=_query_sparse, sliding_window_attention=_sliding_window,
-                                  causal_attention=_causal)
 
 
 def fuses_context_norm(o, weights, backend: str = "auto") -> bool:
@@ -195,3 +146,70 @@ def context_fuse(o_local, o_global, p, z, w_local, w_global, eps: float, weighte
     """Both ContextNorms and the fusion in one pass (logo::context_fuse_fwd); see `fuses_context_norm`."""
     return ops.context_fuse(o_local, o_global, p, z, w_local, w_global, eps, weighted,
                             use_triton=_use_triton(o_local, backend))
+
+
+class AttentionOps:
+    """The attention ops one attention module calls (its `attention_ops`): the functions above, and the LoGo
+    layer's two branches. A parallelism plan replaces a module's object with a subclass (`logo/parallel/cp.py`)
+    or sets `block_recomputed` (activation checkpointing); the modules never look at which one they hold."""
+
+    # The whole block is recomputed in the backward (activation checkpointing): its rerun forward lives only for
+    # that block's backward, so the branch inputs are kept for it rather than recomputed a second time.
+    block_recomputed: bool = False
+
+    def query_sparse_attention(self, q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale: Optional[float] = None,
+                               backend: str = "auto"):
+        return query_sparse_attention(q, k, v, q_pos, rows, cu_seqlens_q, cu_seqlens_k, scale, backend)
+
+    def sliding_window_attention(self, q, k, v, cu_seqlens, window: int, scale: Optional[float] = None,
+                                 backend: str = "auto"):
+        return sliding_window_attention(q, k, v, cu_seqlens, window, scale, backend)
+
+    def causal_attention(self, q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto",
+                         seqlen: int = 0):
+        return causal_attention(q, k, v, cu_seqlens, scale, backend, seqlen)
+
+    def fuses_branches(self, q, A: Optional[torch.Tensor], backend: str) -> bool:
+        """Whether `logo_branches` runs as one op pair: LP transforms A where the fused RoPE + transform runs."""
+        return A is not None and fuses_rope_transform(q, A, backend)
+
+    def recomputes_branch_inputs(self) -> bool:
+        """Whether the backward recomputes the branch inputs (rotated local q, k; transformed, rotated global q, k,
+        v) from q, k, v instead of keeping them: in a compiled training graph, unless the block is recomputed."""
+        return torch.is_grad_enabled() and torch.compiler.is_compiling() and not self.block_recomputed
+
+    def logo_branches(self, q, k, v, cos, sin, batch: int, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window: int,
+                      backend: str = "auto", A: Optional[torch.Tensor] = None,
+                      global_qkv: Optional[Callable] = None):
+        """The LoGo layer's two branches from its pre-RoPE q, k, v (N, H, D) (B = `batch` rows of T tokens;
+        cos/sin (T, D/2)): o_local = SWA_window(RoPE(q), RoPE(k), v) over every row, and o_global = the
+        query-sparse attention of the global branch's rotated query at the selected rows (rows, cu_seqlens_q,
+        q_pos: `logo.kernels.reference`'s contract) over its rotated keys and values, zero elsewhere; (N, H, D)
+        each. The global branch's pre-RoPE q, k, v are `global_qkv(q, k, v)`, or q A_0, k A_1, v A_2 for LP
+        transforms A (3, H, D, D) (then `global_qkv` must compute the same).
+
+        One op pair (`logo.kernels.branches`) where `fuses_branches`; otherwise the separate ops composed in
+        PyTorch, whose intermediates are recomputed in the backward where `recomputes_branch_inputs`."""
+        if self.fuses_branches(q, A, backend):
+            return branches.logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window,
+                                          not self.recomputes_branch_inputs(), impl=attention_impl(q, backend))
+        args = (q, k, v, cos, sin, batch, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window, backend, A, global_qkv)
+        if self.recomputes_branch_inputs():
+            from logo.kernels.recompute import recompute_all_but_attention
+            return recompute_all_but_attention(self._composed_branches, *args)
+        return self._composed_branches(*args)
+
+    def _composed_branches(self, q, k, v, cos, sin, batch, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window, backend,
+                           A, global_qkv):
+        """`logo_branches` as separate ops: the branch inputs (the fused RoPE + transform kernel where it runs),
+        then this object's sliding-window and query-sparse attention."""
+        if A is not None and fuses_rope_transform(q, A, backend):
+            q, k, qg, kg, vg = rope_transform(q, k, v, A, cos, sin, backend)  # (N, H, D) each
+        else:
+            from logo.model.layers import apply_rope  # the model's RoPE, the same rounding as its other layers
+            qg, kg, vg = global_qkv(q, k, v)
+            q, k = apply_rope(q, cos, sin, batch), apply_rope(k, cos, sin, batch)
+            qg, kg = apply_rope(qg, cos, sin, batch), apply_rope(kg, cos, sin, batch)
+        o_local = self.sliding_window_attention(q, k, v, cu_seqlens_k, window, None, backend)  # every row
+        o_global = self.query_sparse_attention(qg, kg, vg, q_pos, rows, cu_seqlens_q, cu_seqlens_k, None, backend)
+        return o_local, o_global

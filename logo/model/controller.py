@@ -17,21 +17,21 @@ quantile controller follows the same ramp b <- b + gamma until b reaches Q or 0.
 ramp), then switches to the rule above; without P-mask (b0 = 0.5) it switches at once.
 
 The sign controller on a flat gate steps b back and forth across p every step: F alternates 1, 0 and averages
-0.5 whatever rho is (issue 13). The realized ratios are therefore kept per step in a ring buffer of the last
+0.5 whatever rho is. The realized ratios are therefore kept per step in a ring buffer of the last
 `window` steps (`logo/ratio_window/layer_i`), next to the last step's ratio.
 
-Counts are summed first (one all-reduce of an (L, K) tensor per step) and the update computed after, so
-every rank applies the same update and a distributed run matches a single-process run of the same global
+Counts are summed first (over the ranks that see different tokens, by the `reduce` function the trainer gives,
+e.g. `logo.parallel.sum_over_ranks`: one all-reduce of an (L, K) tensor per step) and the update computed after,
+so every rank applies the same update and a distributed run matches a single-process run of the same global
 batch. `state_dict()` holds everything besides the thresholds (which are model buffers): ring buffer,
 integral, histogram, ramp flags; identical on every rank.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 # Columns of the per-layer routing stats (logo.model.routing.routing_stats); the quantile controller's
 # gate-logit histogram follows in columns HIST.. .
@@ -46,7 +46,7 @@ U_MAX = math.asinh(LOGIT_MAX / LOGIT_SCALE)
 def gate_histogram(p: torch.Tensor, valid: torch.Tensor, bins: int) -> torch.Tensor:
     """(bins,) fp32 counts of the gate logits of p (N,) over the tokens where valid (N,) (bool or 0/1) is set.
     Eager: `torch.histc` over the bin centres (one shared-memory histogram per block on CUDA; a scatter-add into
-    the bins serialised on the few bins a fresh gate occupies, 2.2 ms per 1.5B/8k step). Under torch.compile:
+    the bins serialised on the few bins a fresh gate occupies). Under torch.compile:
     `one_hot_counts`, which Inductor generates as one reduction kernel fused with the bin computation (histc is
     an extern call between the graph's kernels, and the host issues each such call)."""
     u = torch.asinh(torch.logit(p.float()).clamp(-LOGIT_MAX, LOGIT_MAX) / LOGIT_SCALE)
@@ -90,14 +90,15 @@ def stats_columns(cfg) -> int:
 class BudgetController:
     """Updates every LoGo layer's threshold once per step and keeps the routing record for metrics."""
 
-    def __init__(self, model, process_group: Optional[dist.ProcessGroup] = None, window: int = 100):
+    def __init__(self, model, reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, window: int = 100):
+        """reduce: sums a step's (L, K) float64 counts over the ranks and returns the sum (None: one process)."""
         if window < 1:
             raise ValueError(f"BudgetController window={window}: must be >= 1 step")
         self.layers = model.logo_layers()
         self.layer_ids = list(model.logo_layer_ids)
         self.model_cfg = model.cfg
         self.cfg = model.cfg.attention
-        self.group = process_group
+        self.reduce = reduce
         self.window = window
         L = len(self.layers)
         dev = self.layers[0].threshold.device if self.layers else torch.device("cpu")
@@ -130,13 +131,14 @@ class BudgetController:
         if acc.shape[1] < K:
             raise ValueError(f"routing stats have {acc.shape[1]} columns, budget_control={self.cfg.budget_control} "
                              f"needs {K}")
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
+        if self.reduce is not None:
+            acc = self.reduce(acc)
         before = self._snapshot() if skip is not None else None
         b = self.thresholds().to(acc.device, torch.float64)  # (L,)
         if self.cfg.budget_control == "threshold":
             # sign(F - rho) = sign(selected - rho * valid); 0 when nothing valid was seen.
-            new_b = b + self.cfg.gamma * torch.sign(acc[:, SELECTED] - self.cfg.rho * acc[:, VALID]) * (acc[:, VALID] > 0)
+            new_b = b + self.cfg.gamma * torch.sign(acc[:, SELECTED] - self.cfg.rho * acc[:, VALID]) \
+                * (acc[:, VALID] > 0)
         elif self.cfg.budget_control == "quantile":
             new_b = self._quantile_update(acc, b)
         else:

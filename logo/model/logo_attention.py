@@ -16,6 +16,7 @@ output is kept whole and the gate only scales the global addition); budget_contr
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -24,9 +25,8 @@ import torch.nn as nn
 from logo.config import ModelConfig
 from logo.kernels import dispatch
 from logo.model.attention import QKVAttention
-from logo.model.layers import PackedSeqs, RMSNorm, apply_rope, autocast_input, upcast
-from logo.model.recompute import recompute_all_but_attention
-from logo.model.routing import Selection, partition, route, routing_stats, soft_ratio
+from logo.model.layers import PackedSeqs, RMSNorm, autocast_input, upcast
+from logo.model.routing import partition, route, routing_stats, soft_ratio
 
 
 class BranchTransform(nn.Module):
@@ -124,10 +124,6 @@ class LoGoAttention(QKVAttention):
         self.norm_global = RMSNorm((H, D), eps=cfg.norm_eps) if a.context_norm else nn.Identity()
         # Budget threshold b (fp32, checkpointed); updated once per optimizer step by BudgetController.
         self.register_buffer("threshold", torch.full((1,), 0.5, dtype=torch.float32))
-        # True when the whole block is recomputed in the backward (activation checkpointing): its rerun forward
-        # then lives only for that block's backward, and recomputing the branch inputs once more inside it
-        # would only repeat the transforms and RoPE (see `recompute_branch_inputs`).
-        self.block_recomputed = False
 
     def init_weights(self, std: float, out_std: float):
         super().init_weights(std, out_std)
@@ -144,132 +140,65 @@ class LoGoAttention(QKVAttention):
                 norm.reset_parameters()
         self.threshold.fill_(0.5 if a.threshold_init is None else a.threshold_init)
 
+    def forward(self, x, cos, sin, seqs: PackedSeqs):
+        """x (B, T, d) -> out (B, T, d), aux_loss scalar or None, routing stats (K,) (logo.model.controller)."""
+        a, B, T = self.attn_cfg, x.shape[0], x.shape[1]
+        x_low = autocast_input(x)  # (B, T, d): the one copy of x the backward keeps (projections and gate)
+        q, k, v = self.project(x_low)  # (B, T, H, D) pre-RoPE
+        # Compiled, the gate's plain fp32 product lets Inductor fuse w_g's gradient into the block's row reductions.
+        o, p, z = self.branches(x, None if torch.compiler.is_compiling() else x_low, q, k, v, cos, sin, seqs)
+        out = self.wo(o.view(B, T, -1))  # (B, T, d)
+        aux = self.aux_loss(p, seqs) if a.budget_control == "aux_loss" else None
+        return out, aux, routing_stats(z, p, seqs.valid, self.threshold, a)
+
+    def branches(self, x, x_low, q, k, v, cos, sin, seqs: PackedSeqs):
+        """Everything between the shared projections and W_o: x (B, T, d) (x_low: the gate's, see `Gate.forward`),
+        pre-RoPE q, k, v (B, T, H, D) -> o (N, H, D), p (N,), z (N,) bool. Static shapes, no host synchronisation."""
+        a, B = self.attn_cfg, x.shape[0]
+        # Gate and routing: p_t = sigmoid(x_t . w_g), z_t = [p_t > b], the selected rows first.
+        p = self.gate_probs(x, x_low)  # (N,) fp32, N = B*T
+        z = route(p, self.threshold, seqs)  # (N,) bool
+        sel = partition(z, seqs)
+
+        # Both branches: local SWA over every row from RoPE(q), RoPE(k), v; global query-sparse attention of the
+        # selected rows from RoPE(phi_Q(q)), RoPE(phi_K(k)), phi_V(v). (N, H, D) each; o_global zero elsewhere.
+        x_rows = (x if x_low is None else x_low).flatten(0, 1)  # (N, d): what the `full` variant's projections read
+        A = self.transform.A if a.transform == "lp" else None
+        o_local, o_global = self.attention_ops.logo_branches(
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cos, sin, B, seqs.pos, sel.rows, sel.cu_seqlens_q,
+            seqs.cu_seqlens, self.window, a.backend, A=A, global_qkv=partial(self.global_branch_qkv, x_rows))
+
+        # ContextNorm of each branch and the fusion (weighted or additive) at the selected rows: (N, H, D).
+        return self.fuse(o_local, o_global, p, z), p, z
+
     def global_branch_qkv(self, x, q, k, v):
-        """Pre-RoPE global q, k, v (N, H, D) of every row, from the rows' inputs x (N, d) or their local-branch
-        q, k, v (N, H, D). Every row's query is transformed (static shapes); the kernel reads the selected ones."""
+        """The global branch's pre-RoPE q, k, v (N, H, D) of every row, from the rows' inputs x (N, d) or their
+        local-branch q, k, v (N, H, D). Every row's query is transformed (static shapes); the op reads the selected
+        ones."""
         if self.attn_cfg.transform == "full":
-            H, D = self.n_heads, self.head_dim
-            return (self.wq_g(x).view(-1, H, D), self.wk_g(x).view(-1, H, D), self.wv_g(x).view(-1, H, D))
+            D = self.head_dim
+            return self.wq_g(x).unflatten(-1, (-1, D)), self.wk_g(x).unflatten(-1, (-1, D)), \
+                self.wv_g(x).unflatten(-1, (-1, D))
         return self.transform(0, q), self.transform(1, k), self.transform(2, v)
 
     def gate_probs(self, x: torch.Tensor, x_low: Optional[torch.Tensor] = None) -> torch.Tensor:
         """p_t = sigmoid(x_t . w_g): x (B, T, d) -> (N,) in at least fp32 (x_low: see `Gate.forward`)."""
         return self.gate(x, x_low)
 
-    def mix(self, x, cos, sin, seqs: PackedSeqs):
-        """Both branches, the fusion and the routing statistics: x (B, T, d) -> o (N, H, D) before W_o, p (N,),
-        z (N,) bool, routing stats (K,) (`routing_stats`)."""
-        x_low = autocast_input(x)  # (B, T, d): the one copy of x the backward keeps (projections and gate)
-        q, k, v = self.project(x_low)
-        if self.compile_glue(x):
-            return _compiled_glue()(self, x, x_low, q, k, v, cos, sin, seqs)
-        # A compiled block: its partitioner keeps no fp32 copy of x, and Inductor fuses the gate's plain weight
-        # gradient into the block's other row reductions (with the narrow-copy gradient the step was ~2% slower).
-        gate_low = None if torch.compiler.is_compiling() else x_low
-        return self.glue(x, gate_low, q, k, v, cos, sin, seqs)
-
-    def glue(self, x, x_low, q, k, v, cos, sin, seqs: PackedSeqs):
-        """`branches` and the routing statistics of its decisions: -> o (N, H, D), p (N,), z (N,), stats (K,).
-        The statistics are ~20 small reductions; eager, each was a host dispatch per layer in the forward, where
-        the host already sets the pace (docs/benchmarks.md, Session 18), so they run inside the compiled glue."""
-        o, p, z = self.branches(x, x_low, q, k, v, cos, sin, seqs)
-        return o, p, z, routing_stats(z, p, seqs.valid, self.threshold, self.attn_cfg)
-
-    def compile_glue(self, x: torch.Tensor) -> bool:
-        """attention.compile_glue: in an eager CUDA training step, run `glue` (gate, routing, transforms, RoPE,
-        both attention ops, ContextNorms, fusion, routing statistics) as one compiled region, so its elementwise
-        glue is fused as under train.compile. Not inside an outer compile, under no_grad (evaluation, decoding),
-        with an attention override (context parallelism) or with distributed tensors (tensor parallelism)."""
-        return (self.attn_cfg.compile_glue and x.is_cuda and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and not dispatch.overridden() and type(x) is torch.Tensor
-                and type(self.gate.weight.data) is torch.Tensor)  # a DTensor weight: tensor parallelism
-
-    def branches(self, x, x_low, q, k, v, cos, sin, seqs: PackedSeqs):
-        """Everything between the shared projections and W_o: x (B, T, d) (x_low: the gate's, see `Gate.forward`),
-        pre-RoPE q, k, v (B, T, H, D) -> o (N, H, D), p (N,), z (N,) bool. Static shapes, no host synchronisation."""
-        p = self.gate_probs(x, x_low)  # (N,)
-        z = route(p, self.threshold, seqs)  # (N,) bool
-        sel = partition(z, seqs)
-        x = x if x_low is None else x_low  # the `full` variant's global projections read the cast copy too
-        x, q, k, v = x.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (N, ...)
-        if self.fuses_branches(q):  # one op call each way; it recomputes (or keeps) the branch inputs itself
-            A, a = self.transform.A, self.attn_cfg
-            o_local, o_global = dispatch.logo_branches(q, k, v, A, cos, sin, seqs.pos, sel.rows, sel.cu_seqlens_q,
-                                                       seqs.cu_seqlens, self.window,
-                                                       not self.recompute_branch_inputs(), a.backend)
-        elif self.recompute_branch_inputs():
-            o_local, o_global = recompute_all_but_attention(self.attend, x, q, k, v, cos, sin, seqs, sel)
-        else:
-            o_local, o_global = self.attend(x, q, k, v, cos, sin, seqs, sel)
-        return self.fuse(o_local, o_global, p, z), p, z
-
-    def fuses_branches(self, q: torch.Tensor) -> bool:
-        """attention.fuse_branches (with fuse_rope, LP transforms, the Triton backend, no context parallelism):
-        the branch inputs and both attention ops as one op pair (`logo.kernels.branches`)."""
-        return self.attn_cfg.fuse_branches and not dispatch.overridden() and self.fuses_rope(q)
-
-    def fuses_rope(self, q: torch.Tensor) -> bool:
-        """attention.fuse_rope with LP transforms on the Triton backend (`dispatch.fuses_rope_transform`)."""
-        A = getattr(self.transform, "A", None)
-        return A is not None and self.attn_cfg.fuse_rope and dispatch.fuses_rope_transform(q, A, self.attn_cfg.backend)
-
-    def recompute_branch_inputs(self) -> bool:
-        """attention.recompute_branch_inputs: always, never, or (compiled) only while torch.compile traces; never
-        when the whole block is already recomputed (`block_recomputed`)."""
-        mode = self.attn_cfg.recompute_branch_inputs
-        if not torch.is_grad_enabled() or self.block_recomputed:
-            return False
-        return mode == "always" or (mode == "compiled" and torch.compiler.is_compiling())
-
-    def attend(self, x, q, k, v, cos, sin, seqs: PackedSeqs, sel: Selection):
-        """Both branches' attention from the rows' inputs x (N, d) and pre-RoPE q, k, v (N, H, D):
-        -> o_local (N, H, D) every row, o_global (N, H, D) zero at unselected rows."""
-        backend = self.attn_cfg.backend
-        q, k, qg, kg, vg = self.rotated_branch_inputs(x, q, k, v, cos, sin, seqs)  # (N, H, D) each
-
-        # Local branch: every token.
-        o_local = dispatch.sliding_window_attention(q, k, v, seqs.cu_seqlens, self.window, backend=backend)
-
-        # Global branch: the selected query rows (sel.rows[:n_sel]) over dense keys/values; zero elsewhere.
-        o_global = dispatch.query_sparse_attention(qg, kg, vg, seqs.pos, sel.rows, sel.cu_seqlens_q,
-                                                   seqs.cu_seqlens, backend=backend)  # (N, H, D)
-        return o_local, o_global
-
-    def rotated_branch_inputs(self, x, q, k, v, cos, sin, seqs: PackedSeqs):
-        """Both branches' attention inputs from x (N, d) and pre-RoPE q, k, v (N, H, D): RoPE(q), RoPE(k),
-        RoPE(q^G), RoPE(k^G), v^G (N, H, D). With LP transforms on the Triton backend, q, k and v pass through the
-        fused kernel (`logo::rope_transform_fwd`: both RoPEs and the transform in one read of q and of k, and v's
-        transform in the same launch)."""
-        if self.fuses_rope(q):
-            q, k, qg, kg, vg = dispatch.rope_transform(q, k, v, self.transform.A, cos, sin, self.attn_cfg.backend)
-            return q, k, qg, kg, vg
-        qg, kg, vg = self.global_branch_qkv(x, q, k, v)
-        q, k = apply_rope(q, cos, sin, seqs.batch), apply_rope(k, cos, sin, seqs.batch)
-        qg, kg = apply_rope(qg, cos, sin, seqs.batch), apply_rope(kg, cos, sin, seqs.batch)
-        return q, k, qg, kg, vg
-
     def fuse(self, o_local, o_global, p, z):
         """Both ContextNorms and the fusion: o_local, o_global (N, H, D), p (N,), z (N,) -> o (N, H, D); unselected
-        rows are exactly Norm^L(O^L). With attention.fuse_context_norm on the Triton backend, one kernel each way
-        (`logo::context_fuse_fwd`); otherwise one elementwise expression (compile fuses its forward)."""
+        rows are exactly Norm^L(O^L). One kernel each way where `dispatch.fuses_context_norm`
+        (`logo::context_fuse_fwd`); otherwise the same math as one elementwise expression."""
         a = self.attn_cfg
-        if isinstance(self.norm_local, RMSNorm) and a.fuse_context_norm and dispatch.fuses_context_norm(
+        if isinstance(self.norm_local, RMSNorm) and dispatch.fuses_context_norm(
                 o_local, (self.norm_local.weight, self.norm_global.weight), a.backend):
             return dispatch.context_fuse(o_local, o_global, p, z, self.norm_local.weight, self.norm_global.weight,
                                          self.norm_local.eps, a.fusion == "weighted", a.backend)
         o_local = self.norm_local(o_local)
         p_ = p[:, None, None]  # (N, 1, 1): the gate's only path into the output, through selected rows
         o_l, o_g = upcast(o_local), upcast(self.norm_global(o_global))
-        fused = ((1.0 - p_) * o_l if self.attn_cfg.fusion == "weighted" else o_l) + p_ * o_g
+        fused = ((1.0 - p_) * o_l if a.fusion == "weighted" else o_l) + p_ * o_g
         return torch.where(z[:, None, None], fused.to(o_local.dtype), o_local)
-
-    def forward(self, x, cos, sin, seqs: PackedSeqs):
-        """x (B, T, d) -> out (B, T, d), aux_loss scalar or None, routing stats (K,) (logo.model.controller)."""
-        B, T, _ = x.shape
-        o, p, _, stats = self.mix(x, cos, sin, seqs)
-        out = self.wo(o.view(B, T, -1))
-        aux = self.aux_loss(p, seqs) if self.attn_cfg.budget_control == "aux_loss" else None
-        return out, aux, stats
 
     def aux_loss(self, p, seqs: PackedSeqs) -> torch.Tensor:
         """Auxiliary-loss budget control (ablation): lambda * (F_soft - rho)^2, where
@@ -278,18 +207,3 @@ class LoGoAttention(QKVAttention):
         a = self.attn_cfg
         f_soft = soft_ratio(p, self.threshold, seqs.valid, a.aux_loss_temperature)
         return a.aux_loss_coef * (f_soft - self.rho) ** 2
-
-    def global_head_fraction(self) -> float:
-        return self.rho  # target; the realized ratio is reported by the controller
-
-
-_COMPILED_GLUE = None
-
-
-def _compiled_glue():
-    """LoGoAttention.glue compiled once for every layer (the layer is an argument: its parameters and threshold
-    are graph inputs, so the layers share one graph per input shape)."""
-    global _COMPILED_GLUE
-    if _COMPILED_GLUE is None:
-        _COMPILED_GLUE = torch.compile(LoGoAttention.glue, fullgraph=True)
-    return _COMPILED_GLUE

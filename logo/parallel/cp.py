@@ -5,7 +5,9 @@ and 2cp-1-r (a head and a tail chunk), so causal attention costs the same on eve
 (B, 2c) batch whose documents are cut at the chunk edges (so every piece is a "sequence" for its local
 metadata), with each column's true rotary position (`positions`).
 
-Attention (`context_parallel`, through `logo.kernels.dispatch.override`):
+Attention (`apply_cp` installs one `ContextParallelOps` on every attention module of the model; `context_parallel`
+sets the micro-batch's layout on it for the forward and backward; without a layout, e.g. in evaluation, the ops
+run on the local rows like the plain ones):
 - global / full attention: the keys and values of every rank are all-gathered (autograd: their gradients are
   reduce-scattered back) and put in sequence order; the local queries attend them at their true positions
   in their true documents (query-sparse op), so document masking holds across shard edges;
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
+import torch.nn as nn
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -103,33 +106,35 @@ def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torc
     return local, cols, layout
 
 
-def _attend(q, k, v, q_pos, rows, cu_q, cu_k, scale, backend):
-    """The one call of the query-sparse kernel under context parallelism: local query rows (static shapes,
-    `rows` selected first) over the gathered keys/values of every document (`cu_k` global offsets)."""
-    return dispatch.local_ops.query_sparse_attention(q, k, v, q_pos, rows, cu_q, cu_k, scale, backend)
-
-
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(n, ...) per rank -> (cp * n, ...) in rank order; backward: reduce-scatter of the gradient (gloo too).
     (`torch.distributed.nn.functional.all_gather`'s gloo backward fails on a subgroup.)"""
     return funcol.wait_tensor(funcol.all_gather_tensor_autograd(x.contiguous(), 0, group))
 
 
-class ContextParallelOps:
-    """The three attention ops of `logo.kernels.dispatch` for a sharded micro-batch (see the module doc)."""
+class ContextParallelOps(dispatch.AttentionOps):
+    """The attention ops of `logo.kernels.dispatch.AttentionOps` for a sharded micro-batch (see the module doc):
+    `layout` is the current micro-batch's (None: the plain ops). The LoGo branches run as the separate ops (the
+    base class's composition), each with its communication."""
 
-    def __init__(self, layout: CPLayout, group: dist.ProcessGroup):
-        self.layout, self.group = layout, group
+    def __init__(self, group: dist.ProcessGroup, layout: Optional[CPLayout] = None):
+        self.group, self.layout = group, layout
+
+    def fuses_branches(self, q, A, backend: str) -> bool:
+        return self.layout is None and super().fuses_branches(q, A, backend)
 
     def _gather_all(self, x: torch.Tensor) -> torch.Tensor:
         """Local rows (N_local, H, D) -> every row of the micro-batch in sequence order (B*T, H, D)."""
         return _all_gather(x, self.group)[self.layout.gather_index]
 
-    def query_sparse_attention(self, q, k, v, q_pos, rows, cu_q, cu_k, scale: Optional[float], backend: str):
+    def query_sparse_attention(self, q, k, v, q_pos, rows, cu_q, cu_k, scale: Optional[float] = None,
+                               backend: str = "auto"):
         """Local rows (N_local, H, D) over every rank's keys/values. `q_pos`, `cu_q`, `cu_k` come in local-piece
         terms (cu_k: the local pieces' offsets); they are mapped to true positions and per-document offsets of
         the whole micro-batch. The selected slots stay in order: local pieces follow their documents' order."""
         L = self.layout
+        if L is None:
+            return super().query_sparse_attention(q, k, v, q_pos, rows, cu_q, cu_k, scale, backend)
         n = q.shape[0]
         piece = torch.searchsorted(cu_k[1:].long(), torch.arange(n, device=q.device), right=True)  # (N_local,)
         pos = (q_pos + L.piece_offset[piece]).to(torch.int32)  # true positions inside the true documents
@@ -139,24 +144,31 @@ class ContextParallelOps:
         cu_qg = torch.zeros_like(L.cu_global)
         cu_qg[1:] = torch.cumsum(per_doc, 0).to(torch.int32)
         kg, vg = self._gather_all(k), self._gather_all(v)
-        # static shapes: with no selected row here the op still takes kg/vg, so the gathers' backward runs
-        return _attend(q, kg, vg, pos, rows, cu_qg, L.cu_global, scale, backend)
+        # Local query rows (static shapes, `rows` selected first) over the gathered keys/values of every document
+        # (global offsets). With no selected row here the op still takes kg/vg, so the gathers' backward runs.
+        return super().query_sparse_attention(q, kg, vg, pos, rows, cu_qg, L.cu_global, scale, backend)
 
-    def causal_attention(self, q, k, v, cu_seqlens, scale: Optional[float], backend: str):
+    def causal_attention(self, q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto",
+                         seqlen: int = 0):
+        if self.layout is None:
+            return super().causal_attention(q, k, v, cu_seqlens, scale, backend, seqlen)
         rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)  # every row a query, in order
         return self.query_sparse_attention(q, k, v, self.layout.piece_pos, rows, cu_seqlens, cu_seqlens, scale,
                                            backend)
 
-    def sliding_window_attention(self, q, k, v, cu_seqlens, window: int, scale: Optional[float], backend: str):
+    def sliding_window_attention(self, q, k, v, cu_seqlens, window: int, scale: Optional[float] = None,
+                                 backend: str = "auto"):
         L = self.layout
+        if L is None:
+            return super().sliding_window_attention(q, k, v, cu_seqlens, window, scale, backend)
         if window != L.window:
             raise ValueError(f"context parallel layout was built for window {L.window}, the op asks for {window}")
-        halo, c, cp = window - 1, L.chunk, L.cp
+        halo, c = window - 1, L.chunk
         if halo == 0:
-            return dispatch.local_ops.sliding_window_attention(q, k, v, cu_seqlens, window, scale, backend)
+            return super().sliding_window_attention(q, k, v, cu_seqlens, window, scale, backend)
         rank = dist.get_rank(self.group)
         ext = [self._with_halo(t, rank, gather=i > 0) for i, t in enumerate((q, k, v))]
-        o = dispatch.local_ops.sliding_window_attention(*ext, L.cu_halo, window, scale, backend)
+        o = super().sliding_window_attention(*ext, L.cu_halo, window, scale, backend)
         return o.unflatten(0, (L.rows, 2, halo + c))[:, :, halo:].flatten(0, 2)
 
     def _with_halo(self, x: torch.Tensor, rank: int, gather: bool) -> torch.Tensor:
@@ -179,11 +191,33 @@ class ContextParallelOps:
         return torch.stack(parts, dim=1).flatten(0, 2)
 
 
+def apply_cp(model: nn.Module, group: dist.ProcessGroup) -> ContextParallelOps:
+    """In place: every attention module of the model calls one `ContextParallelOps` over `group` (returned)."""
+    cp_ops = ContextParallelOps(group)
+    for module in model.modules():
+        if isinstance(getattr(module, "attention_ops", None), dispatch.AttentionOps):
+            module.attention_ops = cp_ops
+    return cp_ops
+
+
+def _cp_ops(model: nn.Module) -> ContextParallelOps:
+    for module in model.modules():
+        ops = getattr(module, "attention_ops", None)
+        if isinstance(ops, ContextParallelOps):
+            return ops
+    raise ValueError("the model has no context-parallel attention ops: apply the plan first (`apply_cp`)")
+
+
 @contextmanager
-def context_parallel(layout: CPLayout, group: dist.ProcessGroup):
-    """Within the block (forward and backward of one micro-batch), attention ops run context-parallel."""
-    with dispatch.override(ContextParallelOps(layout, group)):
+def context_parallel(model: nn.Module, layout: CPLayout):
+    """Within the block (forward and backward of one micro-batch), the model's attention ops (`apply_cp`) run
+    context-parallel over `layout`."""
+    cp_ops = _cp_ops(model)
+    before, cp_ops.layout = cp_ops.layout, layout
+    try:
         yield
+    finally:
+        cp_ops.layout = before
 
 
 def check_cp(seq_len: int, cp: int, window: int) -> None:

@@ -1,7 +1,9 @@
 """Apply parallelism and memory/speed wrappers to a plain `Transformer`.
 
 The model module knows nothing of what happens here. Order (as in torchtitan): tensor/sequence parallelism
-(`logo/parallel/tp.py`), torch.compile of each block, activation checkpointing (torchtitan's `apply_ac`), then FSDP2 data parallelism: `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
+(`logo/parallel/tp.py`), context parallelism's attention ops (`logo/parallel/cp.py`), activation checkpointing
+(torchtitan's `apply_ac`), torch.compile of each (checkpointed) block, then FSDP2 data parallelism: `fully_shard`
+on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
 `MixedPrecisionPolicy`. FSDP averages gradients over the data-parallel ranks (its default: a custom divide
 factor needs ReduceOp.PREMUL_SUM, which gloo lacks); the trainer scales each rank's loss by the number of
 ranks and divides it by the global number of target tokens, so a step's gradient is the token mean over the
@@ -16,21 +18,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger("logo")
-
-
-def build_dp_mesh(device_type: str) -> Optional[DeviceMesh]:
-    """A 1-D data-parallel mesh over all ranks, or None in a single process.
-
-    Built with `init_device_mesh` directly: torchtitan 0.2.2's `ParallelDims.build_mesh` takes its device type
-    from `torchtitan.tools.utils.device_type`, which is "cuda" even on a machine without GPUs, so it cannot
-    build the gloo/CPU mesh used by CPU runs and tests.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
@@ -71,10 +61,10 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
 # Inductor options of the compiled blocks, on top of those of train.compile_mode. realize_reads_threshold: Inductor
 # stores a pointwise result that several kernels read once it reads more than this many buffers (default 4), and
 # recomputes it in each reader otherwise. The LoGo layer's gate adds its rank-1 gradient (dlogit w_g^T) to the sum of
-# the three projections' input gradients: six buffers, so that sum was written in float32 for the two reductions of
-# the attention norm's backward (the input's and the weight's gradient), one more pass over (tokens, dim) per layer
-# (1.5B/8k on an H100: ~2.7 ms of a 214 ms compiled step). At 8 both reductions recompute it from the bf16 gradients,
-# as they recompute full attention's three-buffer sum (whose step is unchanged). docs/benchmarks.md, Session 23.
+# the three projections' input gradients: six buffers, so that sum would be written in float32 for the two
+# reductions of the attention norm's backward (the input's and the weight's gradient), one more pass over
+# (tokens, dim) per layer. At 8 both reductions recompute it from the bf16 gradients, as they recompute full
+# attention's three-buffer sum.
 BLOCK_INDUCTOR_OPTIONS = {"realize_reads_threshold": 8}
 
 
@@ -88,11 +78,11 @@ def block_compile_options(compile_mode: str) -> dict:
 def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
                 fsdp: Optional[dict] = None, tp_mesh: Optional[DeviceMesh] = None,
-                compile_mode: str = "default") -> torch.nn.Module:
-    """In place: tensor parallelism over tp_mesh, compile, activation checkpointing, then FSDP2 over dp_mesh (the
-    flattened dp_shard x cp mesh), each when there is one. `fsdp`: keyword options of `apply_fsdp`
-    (reduce_dtype, reshard_after_forward, forward/backward_prefetch). compile_mode: torch.compile's mode for
-    the blocks (train.compile_mode; reduce-overhead replays them as CUDA graphs, one device only)."""
+                compile_mode: str = "default", cp_mesh: Optional[DeviceMesh] = None) -> torch.nn.Module:
+    """In place: tensor parallelism over tp_mesh, context parallelism's attention ops over cp_mesh, activation
+    checkpointing, compile, then FSDP2 over dp_mesh (the flattened dp_shard x cp mesh), each when there is one.
+    `fsdp`: keyword options of `apply_fsdp` (reduce_dtype, reshard_after_forward, forward/backward_prefetch).
+    compile_mode: torch.compile's mode for the blocks (train.compile_mode; reduce-overhead replays them as CUDA graphs, one device only)."""
     if compile_blocks and compile_mode == "reduce-overhead" and (dp_mesh is not None or tp_mesh is not None):
         raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device only: FSDP and tensor "
                          "parallelism communicate inside the blocks; use train.compile_mode=default")
@@ -101,19 +91,21 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
         apply_tp(model, tp_mesh)
         if dist.get_rank() == 0:
             log.info("tensor + sequence parallel over %d ranks", tp_mesh.size())
-    if compile_blocks:
-        # Each block compiled in place (parameter names unchanged, so checkpoints do not depend on it), whole:
-        # the attention ops are custom ops and LoGo's routing has static shapes (no graph breaks).
-        options = block_compile_options(compile_mode)
-        for block in model.layers.values():
-            block.compile(options=options)
+    if cp_mesh is not None:
+        from logo.parallel.cp import apply_cp
+        apply_cp(model, cp_mesh.get_group())
     if activation_checkpointing:
         from torchtitan.config.job_config import ActivationCheckpoint
         from torchtitan.distributed.activation_checkpoint import apply_ac
+        for block in model.layers.values():  # the block's rerun forward replaces the branch inputs' recomputation
+            block.attention.attention_ops.block_recomputed = True
         apply_ac(model, ActivationCheckpoint(mode="full"))
-        for block in model.layers.values():  # the block's rerun forward replaces the layer's own recomputation
-            if hasattr(block.attention, "block_recomputed"):
-                block.attention.block_recomputed = True
+    if compile_blocks:
+        # Each (checkpointed) block compiled in place (parameter names unchanged, so checkpoints do not depend on
+        # it), whole: the attention ops are custom ops and LoGo's routing has static shapes (no graph breaks).
+        options = block_compile_options(compile_mode)
+        for block in model.layers.values():
+            block.compile(options=options)
     if dp_mesh is not None:
         opts = dict(fsdp or {})
         apply_fsdp(model, dp_mesh, param_dtype, **opts)

@@ -10,8 +10,9 @@ which is "cuda" even without GPUs, so it cannot build the gloo/CPU mesh of CPU r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -78,3 +79,14 @@ class ParallelDims:
     def describe(self) -> str:
         return (f"mesh (dp_shard={self.dp}, cp={self.cp}, tp={self.tp}) over {self.world} rank(s); FSDP over "
                 f"dp_shard x cp = {self.dp * self.cp}")
+
+
+def sum_over_ranks(group: Optional[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """t -> t summed over the ranks of `group` (in place; all-reduce), or t itself in a single process: the
+    `reduce` of `logo.model.BudgetController`, whose routing counts are summed over the ranks that see different
+    tokens (dp x cp, never tp)."""
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+    return reduce

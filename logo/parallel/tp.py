@@ -8,10 +8,11 @@ ContextNorms (H, D) on dim 0, the `full` variant's global projections column-wis
 (all-gathered) hidden state with a replicated weight, so every tp rank of a group computes the same p and
 makes the same routing decisions; its gradient is a partial sum over the ranks' heads (`Partial`), reduced by
 DTensor. The aux-loss ablation adds the same replicated loss on every tp rank: its gradient is scaled by 1/tp
-so that the partial sums add up to it once. The LM head is split over
-the vocabulary and its logits all-gathered, so with tp > 1 the loss is the plain one on those logits (the fused
-losses need the whole head weight on one rank; `train.loss=auto` resolves to `plain`). The attention modules' `n_heads` (and the intra-layer hybrid's
-`n_global`) are set to the heads each rank holds: heads are split in contiguous blocks.
+so that the partial sums add up to it once. The LM head is split over the vocabulary and its logits all-gathered,
+so with tp > 1 the loss is the plain one on those logits (the fused losses need the whole head weight on one rank;
+`train.loss=auto` resolves to `plain`). Heads are split in contiguous blocks; the attention modules read their
+head count from the projections' outputs, and only the intra-layer hybrid's `n_global` (how many of the heads a
+rank holds are global) is set per rank.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from logo.config import ConfigError
 from logo.model.attention import IntraLayerHybridAttention
 from logo.model.layers import RMSNorm
-from logo.model.logo_attention import BranchTransform, Gate, LoGoAttention
+from logo.model.logo_attention import BranchTransform, LoGoAttention
 
 
 def check_tp(cfg, tp: int) -> None:
@@ -102,12 +103,10 @@ def _attention_plan(attn: nn.Module) -> dict:
     return plan
 
 
-def _localize_heads(attn: nn.Module, tp: int, tp_rank: int) -> None:
-    """Set the module's head counts to the heads this rank holds (contiguous block tp_rank of n_heads / tp)."""
+def _localize_global_heads(attn: IntraLayerHybridAttention, tp: int, tp_rank: int) -> None:
+    """The intra-layer hybrid's global heads among those this rank holds (contiguous block tp_rank of H / tp)."""
     h = attn.n_heads // tp
-    if isinstance(attn, IntraLayerHybridAttention):
-        attn.n_global = min(max(attn.n_global - tp_rank * h, 0), h)
-    attn.n_heads = h
+    attn.n_global = min(max(attn.n_global - tp_rank * h, 0), h)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -141,4 +140,5 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             distribute_module(attn.gate, tp_mesh, _replicate_params, _gate_in, _gate_out)
             if attn.attn_cfg.budget_control == "aux_loss":
                 attn.register_forward_hook(_scale_aux_grad(tp))
-        _localize_heads(attn, tp, tp_rank)
+        if isinstance(attn, IntraLayerHybridAttention):
+            _localize_global_heads(attn, tp, tp_rank)

@@ -71,14 +71,14 @@ def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def _context_parallel(cpu_mb: Batch, dims, window: int, device: torch.device):
+def _context_parallel(model, cpu_mb: Batch, dims, window: int, device: torch.device):
     """(this rank's share of the micro-batch, its rotary positions, the context manager of its forward and
     backward); the micro-batch itself, None and a no-op when there is no context parallelism."""
     if dims is None or dims.cp == 1:
         return cpu_mb, None, nullcontext()
     from logo.parallel.cp import context_parallel, shard_batch
     local, positions, layout = shard_batch(cpu_mb, dims.cp, dims.rank("cp"), window)
-    return local, positions.to(device), context_parallel(layout.to(device), dims.mesh["cp"].get_group())
+    return local, positions.to(device), context_parallel(model, layout.to(device))
 
 
 def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, autocast, ctrl, grad_clip: float,
@@ -102,7 +102,7 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
     for i, cpu_mb in enumerate(micro):
         if cpu_mb.cu_seqlens is not None and cpu_mb.cu_seqlens.device.type == "cpu":
             check_cu_seqlens(cpu_mb.cu_seqlens, *cpu_mb.inputs.shape)  # on the host: the model reads none on a GPU
-        cpu_mb, positions, cp_ctx = _context_parallel(cpu_mb, dims, window, device)
+        cpu_mb, positions, cp_ctx = _context_parallel(model, cpu_mb, dims, window, device)
         with phase("h2d"):
             mb = cpu_mb.to(device)  # non-blocking; a true async copy from the loader's pinned memory
         if sharded:

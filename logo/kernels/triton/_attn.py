@@ -18,29 +18,27 @@ block may straddle sequences. The smallest/largest `first` and `last` of the blo
 so only blocks that can hold a masked element pay for the mask, and keys after the block's largest `last`
 are never touched (paper App. B). The sliding window runs every block through the masked loop instead
 (`one_loop`): its blocks see about six key blocks each, and three loops of two never reach a pipelined steady
-state (Session 22: fwd + bwd 8-14% faster on an H100, the same bits). The dK/dV kernel runs one program per
+state (the same bits either way). The dK/dV kernel runs one program per
 (KV block, head) and walks the query slots that can see the block: masked head blocks, then unmasked blocks, then
 the masked tail (for the window, all through the masked loop). For sparse queries the first slot at/after the
 block's first and last key come from a binary search (`_split_kernel`) over the slots' key rows, which the
-backward's first pass writes (dead slots sort last; two launches where the torch ops of `key_rows_and_split`, now
-the reference, were ~14); for dense queries they are arithmetic.
+backward's first pass writes (dead slots sort last; two launches where the torch ops of `key_rows_and_split`, the
+reference, take about fourteen); for dense queries they are arithmetic.
 The grids are 1-D and ordered by work over a group of heads at once (the query blocks that see the most keys,
 the key blocks that the most queries see, first, for every head of the group): with one head after another,
 the last head's longest blocks ran alone at the end of the kernel (at 8k tokens and 16 heads a block can be
-half of an SM's share of the work); at long sequences one head after another keeps its keys in L2 (about 1%
-faster than every head at once at 32k-64k). `head_group` sizes the group.
+half of an SM's share of the work); at long sequences one head after another keeps its keys in L2.
+`head_group` sizes the group.
 
-dQ has two strategies (`dq_mode`): "separate" recomputes P and dP in a dQ kernel that mirrors the forward
-(7 matmuls per tile pair in the backward, deterministic); "atomic" adds dS K into an fp32 buffer from the
-dK/dV kernel (5 matmuls plus atomic traffic; summation order varies run to run). The dK/dV kernel also needs
-delta = rowsum(dO * O) per slot (and, for sparse queries, the key rows and slot-ordered copies below): the dQ
-kernel, which loads each slot's q and dO once anyway, writes them in its prologue; the atomic strategy runs them
-as a pass of their own (`_delta_kernel`). A separate pass cost ~37 us per call at 1.5B/8k (reading O and dO).
+dQ comes from a kernel of its own that recomputes P and dP, mirroring the forward (7 matmuls per tile pair in the
+backward, deterministic). The dK/dV kernel also needs delta = rowsum(dO * O) per slot (and, for sparse queries,
+the key rows and slot-ordered copies below): the dQ kernel, which loads each slot's q and dO once anyway, writes
+them in its prologue rather than in a pass of their own (which would read O and dO once more).
 
 TMA (`desc`, on from Hopper at D=128): the forward loads its K/V tiles and the dK/dV kernel its q/dO tiles through
 tensor descriptors over (rows, H * D) views instead of per-thread pointers. Sparse queries are scattered rows, which
 a descriptor cannot gather, so the first backward pass (which reads q and dO per slot anyway) also writes them in
-slot order for the dK/dV kernel: two (N, H, D) copies per backward for ~8% less backward time at 8k tokens. The dQ
+slot order for the dK/dV kernel: two (N, H, D) copies per backward for a faster dK/dV kernel. The dQ
 kernel loads its q/dO once per program and gained nothing from descriptors (not used there).
 
 All accumulation is float32; scores use exp2 with log2(e) folded into the scale; the log-sum-exp is kept in
@@ -56,7 +54,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from logo.kernels.triton._kernels import _delta_kernel, _dkdv_kernel, _dq_kernel, _fwd_kernel, _split_kernel
+from logo.kernels.triton._kernels import _dkdv_kernel, _dq_kernel, _fwd_kernel, _split_kernel
 from logo.kernels.triton._launch import launch
 
 _LOG2E = 1.4426950408889634
@@ -73,46 +71,33 @@ def _shared_memory(device: torch.device) -> int:
 
 
 def _cfg(D: int, dtype: torch.dtype, window: int, device: torch.device) -> dict:
-    """Launch parameters per kernel, (BM, BN, warps, stages), the dQ strategy, `desc`: TMA tile loads (Hopper
-    on) of K/V in the forward and of q/dO in the dK/dV kernel (H100, D=128: forward 1.2x, backward 1.08x faster;
-    docs/benchmarks.md, Session 13), and `one_loop`: every key (query) block of a program through the masked loop
-    instead of the masked head | unmasked middle | masked tail split (the window's blocks see ~6 key blocks, so the
-    split made three loops too short to pipeline; Session 22). CONFIG_OVERRIDE wins. Read-only: the defaults are
-    built once per (D, dtype, kind, device) (every attention call asks, on a host that sets the pace of a 1.5B
-    step's forward)."""
-    kind = "window" if window > 0 else "global"
-    c = _default_cfg(D, dtype, kind, device)
-    if CONFIG_OVERRIDE:
-        for key in ((kind, D, dtype), (kind, D), (kind,)):
-            if key in CONFIG_OVERRIDE:
-                return {**c, **CONFIG_OVERRIDE[key]}
-    return c
+    """Launch parameters per kernel, (BM, BN, warps, stages), `desc`: TMA tile loads (Hopper on) of K/V in the
+    forward and of q/dO in the dK/dV kernel, and `one_loop`: every key (query) block of a program through the
+    masked loop instead of the masked head | unmasked middle | masked tail split (the window's blocks see about six
+    key blocks, so the split would make three loops too short to pipeline). Read-only: built once per (D, dtype,
+    kind, device) (`_default_cfg`), since every attention call asks."""
+    return _default_cfg(D, dtype, "window" if window > 0 else "global", device)
 
 
 @functools.lru_cache(maxsize=None)
 def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) -> dict:
     window = kind == "window"
     if INTERPRET or device.type != "cuda":
-        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), dkdv=(16, 16, 4, 1), dq_mode="separate")
+        c = dict(fwd=(16, 16, 4, 1), dq=(16, 16, 4, 1), dkdv=(16, 16, 4, 1))
     elif dtype == torch.float32:
-        c = dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2), dq_mode="separate")
+        c = dict(fwd=(64, 32, 4, 2), dq=(64, 32, 4, 2), dkdv=(32, 64, 4, 2))
     elif window:  # sliding window: small tiles waste the fewest masked keys (sweep on H100, w=128, D=128)
-        c = dict(fwd=(64, 32, 4, 3), dq=(64, 32, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
+        c = dict(fwd=(64, 32, 4, 3), dq=(64, 32, 4, 3), dkdv=(32, 64, 4, 3))
     elif D <= 64:  # H100 sweeps at D=64, 32 x 1024 and 1 x 8192 tokens (docs/benchmarks.md)
-        c = dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 3), dq_mode="separate")
+        c = dict(fwd=(64, 64, 4, 3), dq=(64, 64, 4, 3), dkdv=(32, 64, 4, 3))
     else:  # global / causal, D=128: best of the H100 sweep in docs/benchmarks.md
-        c = dict(fwd=(128, 128, 8, 3), dq=(128, 64, 8, 3), dkdv=(64, 128, 8, 3), dq_mode="separate")
-        if D == 128 and _shared_memory(device) >= 227 << 10:  # Hopper: 4-stage backward (~1.4% at 64k, Session 19)
+        c = dict(fwd=(128, 128, 8, 3), dq=(128, 64, 8, 3), dkdv=(64, 128, 8, 3))
+        if D == 128 and _shared_memory(device) >= 227 << 10:  # Hopper: a 4-stage backward
             c.update(dq=(128, 64, 8, 4), dkdv=(64, 128, 8, 4))
     c["desc"] = dtype != torch.float32 and D >= 128 and not INTERPRET and _has_tma(device)
-    # the window's few key blocks per program through one masked loop, not three short ones (H100: 8-14% faster)
+    # the window's few key blocks per program through one masked loop, not three short ones
     c["one_loop"] = window
     return c
-
-
-# (kind, D, dtype) / (kind, D) / (kind,) -> {"fwd": (BM, BN, warps, stages), ..., "dq_mode": ..., "desc": bool};
-# kind is "global" (no window: query-sparse and causal) or "window". Used by benchmarks, tuning and tests.
-CONFIG_OVERRIDE: dict = {}
 
 
 def _prec(dtype):
@@ -139,9 +124,8 @@ def _check_dims(q, what: str = "Triton attention"):
 
 
 # Bytes of the tensors a group of heads re-reads (keys and values in the forward and dQ, queries and dO in the
-# dK/dV kernel) that may be in flight at once. H100, rho=0.5 global branch: every head at once at 32k/64k tokens
-# and 8 heads (128/256 MB) was ~1% slower than one head after another; at 8k and 16 heads (64 MB) all at once
-# was fastest.
+# dK/dV kernel) that may be in flight at once: past L2's reach (long sequences), every head at once is slower than
+# one head after another; within it (8k tokens, 16 heads), all at once is fastest.
 L2_GROUP_BYTES = 64 << 20
 
 
@@ -232,21 +216,15 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
     qd, dod = _descs(c, c["dkdv"][0], qc, doc)
     # sparse queries: each slot's key row (written with delta), then per KV block its first slots
     kidx = cu_k if dense_q else _empty(n, like=q, dtype=torch.int32)
-    atomic = c["dq_mode"] == "atomic"
-    if atomic:  # delta, the copies and the key rows in their own pass; dQ from the dK/dV kernel
-        launch(_delta_kernel, (triton.cdiv(n, 64), H), o, do, delta, rows_, cu_q, n, nseq, o.stride(0), o.stride(1),
-            do.stride(0), do.stride(1), q, qc, doc, q.stride(0), q.stride(1), qpos_, cu_k, kidx, nk, steps,
-            DENSE_Q=dense_q, COMPACT=compact, BM=64, D=D, num_warps=4)
-        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    else:  # the dQ kernel writes delta, the copies and the key rows in its prologue
-        dq = _empty(*q.shape, like=q)
-        BM, BN, warps, stages = c["dq"]
-        nb = triton.cdiv(n, BM)
-        launch(_dq_kernel, (nb * H,), q, k, v, o, do, dq, lse, delta, qc, doc, kidx, rows_, qpos_, cu_q, cu_k, n,
-            nseq, nk, steps, window, nb, H, head_group(H, k), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0),
-            dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, ONE_LOOP=c["one_loop"], DENSE_Q=dense_q,
-            COMPACT=compact, BM=BM, BN=BN, D=D, PREC=prec, num_warps=warps, num_stages=stages)
+    # the dQ kernel writes delta, the copies and the key rows in its prologue
+    dq = _empty(*q.shape, like=q)
+    BM, BN, warps, stages = c["dq"]
+    nb = triton.cdiv(n, BM)
+    launch(_dq_kernel, (nb * H,), q, k, v, o, do, dq, lse, delta, qc, doc, kidx, rows_, qpos_, cu_q, cu_k, n,
+        nseq, nk, steps, window, nb, H, head_group(H, k), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), o.stride(0), o.stride(1), do.stride(0), do.stride(1), dq.stride(0),
+        dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, ONE_LOOP=c["one_loop"], DENSE_Q=dense_q,
+        COMPACT=compact, BM=BM, BN=BN, D=D, PREC=prec, num_warps=warps, num_stages=stages)
     dk = _empty(*k.shape, like=k)
     dv = _empty(*v.shape, like=v)
     BM, BN, warps, stages = c["dkdv"]
@@ -256,13 +234,11 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
         split = _empty(2 * nbk, like=q, dtype=torch.int32)
         launch(_split_kernel, (triton.cdiv(2 * nbk, _SPLIT_BLOCK),), kidx, split, n, nk, nbk, n.bit_length(), BN=BN,
             BLOCK=_SPLIT_BLOCK, num_warps=4)
-    launch(_dkdv_kernel, (nbk * H,), q, k, v, do, dk, dv, dq, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk,
+    launch(_dkdv_kernel, (nbk * H,), q, k, v, do, dk, dv, lse, delta, kidx, split, rows_, cu_q, cu_k, n, nk, nbk,
         nseq, steps, window, H, head_group(H, q), qd, dod, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        dq.stride(0), dq.stride(1), scale * _LOG2E, scale, WINDOWED=window > 0, ONE_LOOP=c["one_loop"], DENSE_Q=dense_q,
-        ATOMIC_DQ=atomic, BM=BM, BN=BN, D=D, PREC=prec, DESC=qd is not None, num_warps=warps, num_stages=stages)
-    if atomic:
-        dq = (dq * scale).to(q.dtype)
+        scale * _LOG2E, scale, WINDOWED=window > 0, ONE_LOOP=c["one_loop"], DENSE_Q=dense_q,
+        BM=BM, BN=BN, D=D, PREC=prec, DESC=qd is not None, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 

@@ -210,8 +210,7 @@ def _fwd_kernel(Q, K, V, O, LSE, ROWS, QPOS, CU_Q, CU_K, NQ, NSEQ, STEPS, window
 
 
 # ----------------------------------------------------------------------------------------------------------
-# backward: delta = rowsum(dO * O), the slot-ordered copies and the key rows (in the dQ kernel's prologue, or
-# in a pass of their own for the atomic-dQ backward)
+# backward: delta = rowsum(dO * O), the slot-ordered copies and the key rows (in the dQ kernel's prologue)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _delta_and_copies(o, do, q, slots, ok, last, h, H, NQ, NK, DELTA, QC, DOC, KIDX, DENSE_Q: tl.constexpr,
@@ -233,32 +232,6 @@ def _delta_and_copies(o, do, q, slots, ok, last, h, H, NQ, NK, DELTA, QC, DOC, K
         if h == 0:
             tl.store(KIDX + slots, tl.where(ok, last, NK), mask=in_n)
     return delta
-
-
-@triton.jit(do_not_specialize=["NQ", "NSEQ", "NK", "STEPS"])
-def _delta_kernel(O, DO, DELTA, ROWS, CU_Q, NQ, NSEQ, so_n, so_h, sdo_n, sdo_h, Q, QC, DOC, sq_n, sq_h,
-                  QPOS, CU_K, KIDX, NK, STEPS,
-                  DENSE_Q: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
-    """`_delta_and_copies` over a (slots, head) grid, for the atomic-dQ backward (the separate dQ kernel does the
-    same in its prologue)."""
-    h = tl.program_id(1)
-    slots = tl.program_id(0) * BM + tl.arange(0, BM)
-    nsel = _n_queries(CU_Q, NQ, NSEQ, DENSE_Q)
-    ok = slots < nsel
-    rows = _slot_rows(ROWS, slots, NQ, DENSE_Q)
-    rows64 = rows.to(tl.int64)
-    offs_d = tl.arange(0, D)
-    o = tl.load(O + rows64[:, None] * so_n + h * so_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-    do = tl.load(DO + rows64[:, None] * sdo_n + h * sdo_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-    q = do  # read only with COMPACT
-    if COMPACT:
-        q = tl.load(Q + rows64[:, None] * sq_n + h * sq_h + offs_d[None, :], mask=ok[:, None], other=0.0)
-    last = slots  # read only by head 0 with sparse queries: a slot's key row, the last key it sees (`_row_spans`)
-    if not DENSE_Q:
-        if h == 0:
-            _, last = _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
-    _delta_and_copies(o, do, q, slots, ok, last, h, tl.num_programs(1), NQ, NK, DELTA, QC, DOC, KIDX, DENSE_Q,
-                      COMPACT, D)
 
 
 @triton.jit(do_not_specialize=["NQ", "NK", "NBK", "QSTEPS"])
@@ -340,13 +313,12 @@ def _dq_kernel(Q, K, V, O, DO, DQ, LSE, DELTA, QC, DOC, KIDX, ROWS, QPOS, CU_Q, 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# backward: dK, dV, one program per (KV block, head); optionally dQ by atomic adds into an fp32 buffer
+# backward: dK, dV, one program per (KV block, head)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n, sdo_h,
-                sdqa_n, sdqa_h, start, end, qk_scale, window, QD, DOD, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
-                MASK: tl.constexpr, ATOMIC_DQ: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                PREC: tl.constexpr, DESC: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n, sdo_h,
+                start, end, qk_scale, window, QD, DOD, WINDOWED: tl.constexpr, DENSE_Q: tl.constexpr,
+                MASK: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     offs_mb = tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     for m0 in range(start, end, BM):
@@ -387,21 +359,13 @@ def _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, 
         dpt = _dot(v, tl.trans(do), PREC)
         dst = pt * (dpt - delta[None, :])
         dk += _dot(dst.to(qt.dtype), tl.trans(qt), PREC)
-        if ATOMIC_DQ:
-            dqp = _dot(tl.trans(dst).to(k.dtype), k, PREC)  # (BM, D), unscaled
-            if MASK:
-                tl.atomic_add(DQACC + rows64[:, None] * sdqa_n + h * sdqa_h + offs_d[None, :], dqp, mask=rin[:, None],
-                              sem="relaxed")
-            else:
-                tl.atomic_add(DQACC + rows64[:, None] * sdqa_n + h * sdqa_h + offs_d[None, :], dqp, sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["NQ", "NK", "NBK", "NSEQ", "STEPS", "window", "NH", "G"])
-def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q, CU_K, NQ, NK, NBK, NSEQ, STEPS,
+def _dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q, CU_K, NQ, NK, NBK, NSEQ, STEPS,
                  window, NH, G, QD, DOD, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sdo_n, sdo_h, sdk_n, sdk_h, sdv_n, sdv_h,
-                 sdqa_n, sdqa_h, qk_scale, scale,
-                 WINDOWED: tl.constexpr, ONE_LOOP: tl.constexpr, DENSE_Q: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                 qk_scale, scale, WINDOWED: tl.constexpr, ONE_LOOP: tl.constexpr, DENSE_Q: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     # 1-D grid of NBK * NH programs in groups of G heads (see _query_block): early key blocks are seen by the
     # most rows, so they go first
@@ -439,15 +403,12 @@ def _dkdv_kernel(Q, K, V, DO, DK, DV, DQACC, LSE, DELTA, KIDX, SPLIT, ROWS, CU_Q
     v = tl.load(V + keys64[:, None] * sv_n + h * sv_h + offs_d[None, :], mask=kin[:, None], other=0.0)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
-    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
-                         sdo_h, sdqa_n, sdqa_h, qa, u0, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, True, ATOMIC_DQ,
-                         BM, D, PREC, DESC)
-    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
-                         sdo_h, sdqa_n, sdqa_h, u0, u1, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, False, ATOMIC_DQ,
-                         BM, D, PREC, DESC)
-    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, DQACC, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
-                         sdo_h, sdqa_n, sdqa_h, u1, qz, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, True, ATOMIC_DQ,
-                         BM, D, PREC, DESC)
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
+                         sdo_h, qa, u0, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, True, BM, D, PREC, DESC)
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
+                         sdo_h, u0, u1, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, False, BM, D, PREC, DESC)
+    dk, dv = _dkdv_inner(dk, dv, k, v, keys, kend, qend, Q, DO, LSE, DELTA, KIDX, ROWS, h, NQ, sq_n, sq_h, sdo_n,
+                         sdo_h, u1, qz, qk_scale, window, QD, DOD, WINDOWED, DENSE_Q, True, BM, D, PREC, DESC)
     tl.store(DK + keys64[:, None] * sdk_n + h * sdk_h + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=kin[:, None])
     tl.store(DV + keys64[:, None] * sdv_n + h * sdv_h + offs_d[None, :], dv.to(DV.dtype.element_ty),

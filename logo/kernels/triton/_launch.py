@@ -1,10 +1,9 @@
 """Triton kernel launches with less host time than `kernel[grid](...)`.
 
 `kernel[grid](*args, **meta)` binds and specializes every argument, hashes the specialization into Triton's cache
-key and looks the compiled kernel up on every call: ~29 us of host time per launch on the H200 machine's host,
-against ~11 us for the compiled kernel's own `run` (docs/benchmarks.md, Session 20). A LoGo layer launches ~11
-Triton kernels per training step; where the step is host-paced (small models, eager mode, slow hosts) that host
-time is step time (Session 21: the small shape's eager step 4% faster).
+key and looks the compiled kernel up on every call, which takes several times the host time of the compiled
+kernel's own `run`. A LoGo layer launches about a dozen Triton kernels per training step; where the step is
+host-paced (small models, eager mode, slow hosts) that host time is step time.
 
 `launch(kernel, grid, *args, **meta)` launches the same kernel with the same arguments. The first call for a key
 goes through `kernel[grid]` (which compiles, or finds Triton's compiled kernel) and remembers the compiled kernel;
@@ -13,8 +12,8 @@ tensors by dtype and address modulo 16 (Triton specializes pointers on 16-byte a
 by value (Triton specializes them on value 1, divisibility by 16 and width), None by itself, floats by type (not
 specialized), host tensor descriptors by dtype, address modulo 16, shape, strides and block shape, and the
 keyword meta-parameters (constexprs, num_warps, num_stages) by value, with the current device. Anything else, the
-CPU interpreter, a Triton release outside `_RELEASES`, a launch hook (profilers such as proton set one) or
-`FAST = False` (LOGO_TRITON_FAST_LAUNCH=0) take `kernel[grid]`.
+CPU interpreter, a Triton release outside `_RELEASES` and a launch hook (profilers such as proton set one) take
+`kernel[grid]`.
 """
 from __future__ import annotations
 
@@ -24,9 +23,6 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-# LOGO_TRITON_FAST_LAUNCH=0 launches every kernel through kernel[grid] (for A/B measurements and as an escape
-# hatch should a Triton release change what a compiled kernel's `run` takes).
-FAST = os.environ.get("LOGO_TRITON_FAST_LAUNCH", "1") != "0"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _MAX_ENTRIES = 4096  # keys remembered; a model sees a handful of shapes, so this only bounds a pathological run
 _LAUNCH_META = ("num_warps", "num_stages", "num_ctas", "maxnreg")
@@ -88,7 +84,7 @@ def _hooked(hook) -> bool:
 def launch(kernel, grid: tuple, *args, **meta):
     """kernel[grid](*args, **meta) with the host work of a repeated launch cut to the compiled kernel's `run`.
     args: the kernel's leading parameters, in order; meta: the rest by name (constexprs) and launch options."""
-    if not FAST or _RUNTIME is None or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
+    if _RUNTIME is None or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
         return kernel[grid](*args, **meta)
     drv, knobs = _RUNTIME
     if _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):
@@ -131,4 +127,4 @@ def clear():
     _cache.clear()
 
 
-__all__ = ["launch", "clear", "FAST"]
+__all__ = ["launch", "clear"]

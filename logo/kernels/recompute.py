@@ -1,11 +1,12 @@
-"""Selective recomputation inside the LoGo layer: keep the attention kernels' outputs, recompute the rest.
+"""Selective recomputation of the LoGo branches' inputs: keep the attention kernels' outputs, recompute the rest.
 
 Between the shared pre-RoPE q, k, v and the two attention ops lie only cheap maps (the per-head branch transform
 and RoPE), yet autograd would keep every one of their outputs for the backward: the rotated local q, k and the
 global q, k, v, five (N, H, D) tensors per layer. Under `recompute_all_but_attention` the backward recomputes
 them from q, k, v (kept anyway) and keeps only what the attention ops return. Same values and gradients
 (the recomputation repeats the forward's arithmetic, the fused RoPE + transform op included); in eager mode
-and under `torch.compile` (which reads the same policy).
+and under `torch.compile` (which reads the same policy). `logo.kernels.dispatch.AttentionOps.logo_branches`
+applies it to its PyTorch composition of the branches while torch.compile traces.
 """
 from __future__ import annotations
 
