@@ -48,7 +48,7 @@ def _worker(rank, port, out_dir, layout, kind):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         from logo.parallel import ParallelDims
-        from logo.parallel.cp import context_parallel, shard_batch
+        from logo.parallel.cp import apply_cp, context_parallel, shard_batch
         from logo.parallel.tp import apply_tp
         tp, cp = layout
         dims = ParallelDims.build(2, tp, cp, "cpu")
@@ -62,7 +62,8 @@ def _worker(rank, port, out_dir, layout, kind):
                      for n, p in model.named_parameters()}
         else:
             local, positions, lay = shard_batch(mb, cp, rank, window=4)
-            with context_parallel(lay, dims.group("cp")):
+            apply_cp(model, dims.group("cp"))
+            with context_parallel(model, lay):
                 out = model(local.inputs, cu_seqlens=local.cu_seqlens, positions=positions)
                 loss = loss_sum(out, local.labels)
                 loss.backward()
