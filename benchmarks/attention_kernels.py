@@ -133,7 +133,7 @@ def ceilings():
     print(f"ceilings: copy {bw:.0f} GB/s, bf16 matmul {tf:.0f} TFLOP/s", flush=True)
     ROWS.append(dict(name="ceiling copy GB/s", value=bw))
     ROWS.append(dict(name="ceiling bf16 matmul TFLOP/s", value=tf))
-    del x, y, a, b
+    x = y = a = b = None  # free the ceilings' buffers before the next measurement
     torch.cuda.empty_cache()
 
 
@@ -223,7 +223,6 @@ def cudnn_flex(T, rhos):
                fwd_bwd(lambda a, b, c: flex_attn_func(a, b, c, mask_plan=cached), qc, k, v), flops_rows(pos), rho=rho)
         record(f"qsparse cudnn.flex rho={rho} (plan per call)", T,
                fwd_bwd(lambda a, b, c: flex_attn_func(a, b, c, mask_plan=plan()), qc, k, v), flops_rows(pos), rho=rho)
-    del k, v
 
 
 def routing_cost(T):
@@ -246,7 +245,8 @@ def logo_layer(T, window, out: Path, profile_it: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from logo.config import AttentionConfig, ModelConfig
-    from logo.model.layers import PackedSeqs, apply_rope, rope_cos_sin
+    from logo.kernels.rope import apply_rope
+    from logo.model.layers import PackedSeqs, rope_cos_sin
     from logo.model.logo_attention import LoGoAttention
     cfg = ModelConfig(dim=H * D, n_heads=H, n_layers=1, attention=AttentionConfig(kind="logo", window=window))
     layer = LoGoAttention(cfg).cuda()
@@ -266,7 +266,7 @@ def logo_layer(T, window, out: Path, profile_it: bool):
     run = fwd_bwd(logo_fn, x, q, k, v)
     record(f"LoGo layer (rho~{ratio:.2f}, w{window})", T, run, rho=ratio)
     compiled = torch.compile(layer.branches, fullgraph=True)  # glue fused by Inductor around the custom ops
-    record(f"LoGo layer, torch.compile fullgraph", T,
+    record("LoGo layer, torch.compile fullgraph", T,
            fwd_bwd(lambda x, q, k, v: compiled(x, x, q, k, v, cos, sin, seqs)[0], x, q, k, v), rho=ratio)
 
     def dense(q, k, v):
@@ -341,10 +341,10 @@ def sweep(T, window, sweep_filter=(), docs=1):
             if sweep_filter and not any(f in f"{kind} {label}" for f in sweep_filter):
                 continue
             _attn._cfg = (lambda *a, o=override: {**default_cfg(*a), **o})
-            if part == "fwd":
-                fn = (lambda: _attn.attn_forward(qd, kd, vd, qp, rw, cq, cu, scale, w))
-            else:
-                fn = (lambda: _attn.attn_backward(do, qd, kd, vd, o, lse, qp, rw, cq, cu, scale, w))
+            def fn(part=part):
+                if part == "fwd":
+                    return _attn.attn_forward(qd, kd, vd, qp, rw, cq, cu, scale, w)
+                return _attn.attn_backward(do, qd, kd, vd, o, lse, qp, rw, cq, cu, scale, w)
             try:
                 record(f"sweep {kind} {label}", T, fn, extra=dict(kind=kind, part=part, override=str(override)))
             finally:

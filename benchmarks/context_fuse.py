@@ -1,12 +1,12 @@
 """The fused ContextNorm + fusion op (`logo::context_fuse_fwd/bwd`) against the compiled PyTorch expression it
 replaces, one GPU.
 
-    python benchmarks/context_fuse.py --out benchmarks/results/h100_context_fuse.json
+    python benchmarks/context_fuse.py --out /tmp/context_fuse.json
     python benchmarks/context_fuse.py --sweep      # (rows per program, warps) of both kernels
 
 Per call, one LoGo layer's branch outputs (1.5B at 8k: N=8192 rows, 16 heads of 128, bf16; half the rows
 selected): the two kernels alone, then forward + backward through autograd, against the layer's unfused
-expression (`LoGoAttention.fuse` with fuse_context_norm off) under torch.compile, as the compiled layer runs it.
+expression (`LoGoAttention.fuse` on the reference backend) under torch.compile, as the compiled layer runs it.
 Medians of `triton.testing.do_bench`. A copy ceiling (read + write one (N, H, D) tensor) puts the kernel times in
 memory-pass units: the forward moves 3 passes (read both branches, write o), the backward 5 (read dO and both
 branches, write both gradients).
@@ -37,7 +37,7 @@ def measure(n, H, D, rows, label=""):
     p = torch.rand(n, device="cuda", generator=gen).requires_grad_()
     z = p.detach() > 0.5
     cfg = ModelConfig(dim=H * D, n_heads=H, n_layers=1,
-                      attention=AttentionConfig(kind="logo", fuse_context_norm=False)).validate()
+                      attention=AttentionConfig(kind="logo", backend="reference")).validate()
     layer = LoGoAttention(cfg).cuda()
     layer.init_weights(0.02, 0.02)
     w_l, w_g = layer.norm_local.weight, layer.norm_global.weight

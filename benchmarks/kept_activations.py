@@ -1,12 +1,12 @@
 """What one transformer block keeps for its backward, per attention kind and execution mode (runs on a CPU).
 
     python benchmarks/kept_activations.py                       # dim 256, 4 heads, 1 x 2048 rows, bf16 autocast
-    python benchmarks/kept_activations.py --rows 4096 --modes eager,glue --list
+    python benchmarks/kept_activations.py --rows 4096 --modes eager,block --list
 
 Counts the distinct storages autograd saves during one block's forward (saved-tensor hooks), in units of one
 (rows, dim) bf16 tensor, so the figures carry over to any model size: at 1.5B/8k one unit per layer is 0.75 GiB.
-Modes: `eager` (plain PyTorch), `glue` (LoGo's `branches` compiled as one region, what an eager CUDA step runs:
-`attention.compile_glue`), `block` (the whole block under torch.compile, what `train.compile` runs). The attention
+Modes: `eager` (plain PyTorch, what an eager step runs), `block` (the whole block under torch.compile, what
+`train.compile` runs). The attention
 math uses the reference backend, so the count is the model code's, not a kernel's; compiled modes use Inductor
 on the CPU. `--list` prints each kept storage (shape, dtype, units).
 """
@@ -26,7 +26,7 @@ from logo.model.layers import PackedSeqs, rope_cos_sin  # noqa: E402
 from logo.model.transformer import TransformerBlock  # noqa: E402
 
 KINDS = ("full", "local", "intra_layer", "logo")
-MODES = ("eager", "glue", "block")
+MODES = ("eager", "block")
 
 
 def block_of(kind: str, dim: int, heads: int, window: int) -> TransformerBlock:
@@ -49,8 +49,6 @@ def kept_storages(block: TransformerBlock, rows: int, mode: str, seed: int = 0) 
     if isinstance(attn, logo_attention.LoGoAttention):
         with torch.no_grad():
             attn.threshold.fill_(float(attn.gate_probs(block.attention_norm(x)).median()))
-        if mode == "glue":
-            attn.compile_glue = lambda _x: True  # the CUDA-only switch, forced on: Inductor compiles for the CPU
     run = torch.compile(block, fullgraph=True) if mode == "block" else block
     saved: dict[int, tuple] = {}
 
@@ -88,8 +86,6 @@ def main(argv=None):
     print(f"| kind | mode | kept, units of one ({a.rows}, {a.dim}) bf16 tensor |\n|---|---|---|")
     for kind in kinds:
         for mode in modes:
-            if mode == "glue" and kind != "logo":
-                continue  # only LoGo has a compiled glue region
             kept = kept_storages(block_of(kind, a.dim, a.heads, a.window), a.rows, mode)
             print(f"| {kind} | {mode} | {units(kept, a.rows, a.dim):.2f} |")
             if a.list:

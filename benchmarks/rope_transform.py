@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _op_bench import bench, main  # noqa: E402
 from logo.kernels import ops  # noqa: E402
 from logo.kernels.triton import _rope  # noqa: E402
-from logo.model.layers import apply_rope, rope_cos_sin  # noqa: E402
+from logo.kernels.rope import apply_rope  # noqa: E402
+from logo.model.layers import rope_cos_sin  # noqa: E402
 
 
 def problem(n, H, D, dtype=torch.bfloat16):

@@ -59,7 +59,7 @@ class AttentionConfig:
     # reference | triton | flash (logo/kernels/dispatch.py)
     backend: str = "auto"
 
-    def validate(self, n_layers: Optional[int] = None, n_heads: Optional[int] = None) -> "AttentionConfig":
+    def validate(self, n_layers: Optional[int] = None, n_heads: Optional[int] = None) -> AttentionConfig:
         if self.kind not in ATTENTION_KINDS:
             _fail("attention.kind", self.kind, f"unknown attention kind; choose one of {list(ATTENTION_KINDS)}")
         if not isinstance(self.window, int) or self.window < 1:
@@ -168,7 +168,7 @@ class ModelConfig:
             return self.ffn_hidden
         return _round_up(math.ceil(8 * self.dim / 3), self.ffn_multiple)
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "vocab_multiple", "ffn_multiple"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -62,10 +62,10 @@ def test_tile_lists_cover_exactly_the_visible_tiles(lengths, mode, tile):
 def _between(first, last, n_keys, tile):
     """Tiles inside a query tile's [lowest first, highest last] span: the bound `part` may list beyond what is seen."""
     mq, mk = first.shape[0] // tile, -(-n_keys // tile)
-    f, l = first.view(mq, tile).long(), last.view(mq, tile).long()
-    live = l >= f
+    f, la = first.view(mq, tile).long(), last.view(mq, tile).long()
+    live = la >= f
     lo = torch.where(live, f, 1 << 40).amin(1, keepdim=True)
-    hi = torch.where(live, l, -1).amax(1, keepdim=True)
+    hi = torch.where(live, la, -1).amax(1, keepdim=True)
     start = torch.arange(mk)[None] * tile
     return (start <= hi) & (start + tile - 1 >= lo)
 

@@ -129,7 +129,7 @@ def test_partial_selection_matches_dense(variant):
 def local_only_output(layer, x, cos, sin, seqs):
     """Norm^L(SWA(q, k, v)) for every row, computed without the global branch."""
     from logo.kernels.reference import sliding_window_attention
-    from logo.model.layers import apply_rope
+    from logo.kernels.rope import apply_rope
     q, k, v = layer.project(x)
     o = sliding_window_attention(apply_rope(q, cos, sin).flatten(0, 1), apply_rope(k, cos, sin).flatten(0, 1),
                                  v.flatten(0, 1), seqs.cu_seqlens, layer.window)

@@ -190,7 +190,7 @@ def test_pmask_ramp_reaches_half_after_S_steps():
     model = tiny("logo", threshold_init=b0, **cfg_attn)
     ctrl = BudgetController(model)
     tokens = batch()
-    for step in range(S):
+    for _ in range(S):
         with torch.no_grad():
             out = model(tokens)
         assert torch.all(out.routing[:, 0] == out.routing[:, 1])  # P-mask phase: every token is global
@@ -246,7 +246,7 @@ def test_rope_eager_and_compiled_formulas_agree(dtype):
     """Eager RoPE (a complex multiply) equals the pairwise real formula (what compiled code runs) forward and
     backward within rounding (the complex kernel may fuse the multiply-adds: 1 ulp in fp32, 1 bf16 ulp after
     the cast); the compiled function is the real formula itself. Each pair (x0, x1) is rotated by its angle."""
-    from logo.model.layers import _rotate, upcast
+    from logo.kernels.rope import _rotate, upcast
 
     def pairwise(x, cos, sin):
         xf = upcast(x).unflatten(-1, (-1, 2))

@@ -14,7 +14,8 @@ import torch
 from logo.config import AttentionConfig, ModelConfig
 from logo.kernels import dispatch, ops
 from logo.kernels import reference as R
-from logo.model.layers import PackedSeqs, apply_rope, rope_cos_sin
+from logo.kernels.rope import apply_rope
+from logo.model.layers import PackedSeqs, rope_cos_sin
 from logo.model.logo_attention import LoGoAttention
 
 from conftest import close_in_norm as close, kept_for_backward

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from logo.kernels import reference as R
-from logo.model.layers import PackedSeqs, apply_rope, apply_rope_rows, rope_cos_sin, upcast
+from logo.kernels.rope import apply_rope, apply_rope_rows, upcast
+from logo.model.layers import PackedSeqs, rope_cos_sin
 from logo.model.routing import partition, route
 from test_logo_layer import make_layer
 

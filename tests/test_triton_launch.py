@@ -29,7 +29,7 @@ def test_tensor_key_is_dtype_and_alignment():
 
 def test_scalar_keys_are_values_floats_only_their_type():
     assert [_launch._arg_key(a) for a in (1, 16, 17, True, None)] == [1, 16, 17, True, None]
-    assert _launch._arg_key(0.125) == _launch._arg_key(3.0) == float
+    assert _launch._arg_key(0.125) is float and _launch._arg_key(3.0) is float
 
 
 def test_descriptor_key_names_layout_and_block():

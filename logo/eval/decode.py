@@ -35,7 +35,8 @@ import torch
 
 from logo.eval.kv_cache import DenseCache, RingCache
 from logo.kernels import dispatch
-from logo.model.layers import PackedSeqs, apply_rope, apply_rope_rows, rope_cos_sin, upcast
+from logo.kernels.rope import apply_rope, apply_rope_rows, upcast
+from logo.model.layers import PackedSeqs, rope_cos_sin
 
 PREFILL_TOKENS = 1 << 17  # rows x padded prompt length run through the blocks at once
 CHECK_EVERY = 8  # decode steps between the host's looks at which rows are done (one sync each)

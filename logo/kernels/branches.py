@@ -8,15 +8,15 @@ attention ops in one call each way.
 
 It runs what `logo.kernels.ops` runs as three ops forward (rope_transform, the sliding window over every row, the
 query-sparse global branch) and four backward (the recomputed rope_transform, both attention backwards, the
-rope_transform backward), with the same kernels, in one op call each way: on the GPU machine each custom-op call
-costs ~30-55 us of host time besides its launches, and at 1.5B/8k the GPU sat idle between a layer's short
-forward kernels waiting for them (docs/benchmarks.md, Session 16). v's gradient from the local branch is added
+rope_transform backward), with the same kernels, in one op call each way: every custom-op call costs host time
+besides its launches, and a compiled step's forward, whose kernels per layer are short, waits for the host.
+v's gradient from the local branch is added
 inside the RoPE + transform backward kernel (no separate add). `impl` names the attention implementation
 (`logo.kernels.ops.IMPLS`); the RoPE + transform runs the Triton kernel unless it is "reference".
 
 keep_rotated: the backward reads the five rotated inputs from the forward (kept for it) instead of recomputing
-them from q, k, v (attention.recompute_branch_inputs; the recomputation is the forward's arithmetic, so the
-results are the same either way). The rotated inputs are returned too so the forward's autograd can keep them;
+them from q, k, v (`AttentionOps.recomputes_branch_inputs` decides; the recomputation is the forward's
+arithmetic, so the results are the same either way). The rotated inputs are returned too so the forward's autograd can keep them;
 they are not differentiable.
 """
 from __future__ import annotations

@@ -20,11 +20,14 @@ the kernels do not take, tensor-parallel DTensor transforms, context parallelism
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import torch
 
 from logo.kernels import branches, flash, ops
+from logo.kernels.rope import apply_rope
+from logo.kernels.recompute import recompute_all_but_attention
 
 try:  # Triton missing or broken: the reference still works
     from logo.kernels import triton as _triton_ops  # noqa: F401
@@ -195,7 +198,6 @@ class AttentionOps:
                                           not self.recomputes_branch_inputs(), impl=attention_impl(q, backend))
         args = (q, k, v, cos, sin, batch, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window, backend, A, global_qkv)
         if self.recomputes_branch_inputs():
-            from logo.kernels.recompute import recompute_all_but_attention
             return recompute_all_but_attention(self._composed_branches, *args)
         return self._composed_branches(*args)
 
@@ -206,7 +208,6 @@ class AttentionOps:
         if A is not None and fuses_rope_transform(q, A, backend):
             q, k, qg, kg, vg = rope_transform(q, k, v, A, cos, sin, backend)  # (N, H, D) each
         else:
-            from logo.model.layers import apply_rope  # the model's RoPE, the same rounding as its other layers
             qg, kg, vg = global_qkv(q, k, v)
             q, k = apply_rope(q, cos, sin, batch), apply_rope(k, cos, sin, batch)
             qg, kg = apply_rope(qg, cos, sin, batch), apply_rope(kg, cos, sin, batch)

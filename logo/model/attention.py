@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from logo.config import AttentionConfig, ModelConfig
 from logo.kernels import dispatch
-from logo.model.layers import PackedSeqs, apply_rope, autocast_input
+from logo.kernels.rope import apply_rope
+from logo.model.layers import PackedSeqs, autocast_input
 
 
 def causal(ops: dispatch.AttentionOps, q, k, v, seqs: PackedSeqs, backend: str) -> torch.Tensor:

@@ -29,7 +29,8 @@ integral, histogram, ramp flags; identical on every rank.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import torch
 

@@ -8,10 +8,8 @@ Implementations (`train.loss`):
   logits exists at a time and nothing is recomputed. The backward only scales the stored gradients.
 - liger: liger-kernel's fused linear cross-entropy (Triton, CUDA; the same scheme with fused kernels).
 - auto: on CUDA, liger when one micro-batch's fp32 logits would take at least AUTO_LIGER_MIN_LOGITS_GIB (and
-  liger-kernel is importable), else plain; chunked on CPU. Measured on an H100 (1.5B, 8k tokens per micro-batch,
-  vocab 100k, compiled): plain 43.0k tokens/s and 51.1 GiB (now compiled: 43.8k-46.4k), liger 37.2k
-  tokens/s and 41.6 GiB; at 32k tokens the plain logits alone take 13 GB, so the memory wins there
-  (docs/benchmarks.md).
+  liger-kernel is importable), else plain; chunked on CPU. Below that size the compiled plain loss is the
+  faster; above it the fp32 logits' memory is what counts.
 
 Every implementation sums over the targets that are not IGNORE_INDEX (padding, document ends) and takes the
 softmax over the padded vocabulary, as the plain loss does. Under autocast the matmul runs in the autocast

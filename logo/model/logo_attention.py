@@ -25,7 +25,8 @@ import torch.nn as nn
 from logo.config import ModelConfig
 from logo.kernels import dispatch
 from logo.model.attention import QKVAttention
-from logo.model.layers import PackedSeqs, RMSNorm, autocast_input, upcast
+from logo.kernels.rope import upcast
+from logo.model.layers import PackedSeqs, RMSNorm, autocast_input
 from logo.model.routing import partition, route, routing_stats, soft_ratio
 
 

@@ -63,7 +63,7 @@ class CPLayout:
     gather_index: torch.Tensor  # (B*T,) int64: global row g = cat(all ranks' local rows)[gather_index[g]]
     cu_halo: torch.Tensor  # (.,) int32 offsets over the (B, 2, window-1+c) [halo, chunk] rows
 
-    def to(self, device) -> "CPLayout":
+    def to(self, device) -> CPLayout:
         return CPLayout(self.cp, self.rows, self.chunk, self.window,
                         *(t.to(device, non_blocking=True) for t in (self.cu_global, self.piece_doc, self.piece_offset,
                                                                     self.piece_pos, self.gather_index, self.cu_halo)))

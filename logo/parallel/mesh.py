@@ -10,7 +10,8 @@ which is "cuda" even without GPUs, so it cannot build the gloo/CPU mesh of CPU r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ class ParallelDims:
     flat: Optional[DeviceMesh] = None  # the flattened (dp_shard, cp) mesh FSDP shards over, kept as flattened
 
     @staticmethod
-    def sizes(world: int, tp: int, cp: int) -> "ParallelDims":
+    def sizes(world: int, tp: int, cp: int) -> ParallelDims:
         """Check the layout (one-line errors naming the bad value) without building anything."""
         if tp < 1:
             raise ConfigError(f"invalid config parallel.tp={tp}: must be >= 1")
@@ -42,7 +43,7 @@ class ParallelDims:
         return ParallelDims(world // (tp * cp), cp, tp)
 
     @staticmethod
-    def build(world: int, tp: int, cp: int, device_type: str) -> "ParallelDims":
+    def build(world: int, tp: int, cp: int, device_type: str) -> ParallelDims:
         dims = ParallelDims.sizes(world, tp, cp)
         if world > 1:
             dims.mesh = init_device_mesh(device_type, (dims.dp, cp, tp), mesh_dim_names=("dp_shard", "cp", "tp"))

@@ -22,7 +22,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 PACKAGE = "flash-attn-4"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _import_error() -> str:
     """'' when FlashAttention-4's CuTe kernels import, else why not (one line)."""
     try:
@@ -32,12 +32,12 @@ def _import_error() -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def version() -> str:
     try:
         return importlib.metadata.version(PACKAGE)
@@ -45,7 +45,7 @@ def version() -> str:
         return ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unavailable_reason(device: torch.device) -> str:
     """'' when the FlashAttention-4 kernels run on `device`, else a short reason (for the start-up report)."""
     if device.type != "cuda":

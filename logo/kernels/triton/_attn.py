@@ -79,7 +79,7 @@ def _cfg(D: int, dtype: torch.dtype, window: int, device: torch.device) -> dict:
     return _default_cfg(D, dtype, "window" if window > 0 else "global", device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _default_cfg(D: int, dtype: torch.dtype, kind: str, device: torch.device) -> dict:
     window = kind == "window"
     if INTERPRET or device.type != "cuda":

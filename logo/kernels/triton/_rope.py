@@ -5,21 +5,20 @@ transform, and the global v, in one pass over the rows (the reference is
     x_rot = RoPE(x)          y_rot = RoPE(x A_h)          x (N, H, D), A (H, D, D), angles of row n: n mod T
     v^G = v A_h              (values are not rotated)
 
-for x = q (with A_q), x = k (with A_k) and v (with A_v) in one launch (a third grid axis picks the tensor: on the
-GPU machine's slow host every launch and op call counts, see docs/benchmarks.md).
+for x = q (with A_q), x = k (with A_k) and v (with A_v) in one launch (a third grid axis picks the tensor, so
+the host issues one launch for the three).
 
 Unfused, these are a batched matmul (read x, write y), RoPE of y (read, write) and RoPE of x (read, write), each
-memory-bound, and the backward repeats the pattern (plus a second batched matmul for dA and an add): at 1.5B/8k
-the transforms and RoPEs of both branches were ~14 ms of a 225 ms step. Here the forward reads x once and writes
+memory-bound, and the backward repeats the pattern (plus a second batched matmul for dA and an add). Here the
+forward reads x once and writes
 both outputs; the backward reads both incoming gradients once and writes dx and y's unrotated gradient g, from
-which a split-K reduction over the rows gives dA = x^T g (see `_transform_grads`). v's transform alone (cuBLAS
-batched matmuls in the forward, its recomputation and the backward, whose dA one fits few heads poorly) was still
-~2-4 ms of a 219 ms step. v runs q's and k's code with its rotation masked to the identity (its angles load as
+which a split-K reduction over the rows gives dA = x^T g (see `_transform_grads`). v joins the same launch (a
+separate cuBLAS batched matmul fits few heads poorly in its dA). v runs q's and k's code with its rotation masked to the identity (its angles load as
 cos 1, sin 0) and its RoPE(x) store and gradient load masked off: masked accesses touch no memory.
 
 RoPE rotates pairs (x[2i], x[2i+1]); the kernels load a row block as (BM, D/2, 2) and split it in registers, and
 multiply x by A's even and odd columns separately (two (BM, D) @ (D, D/2) dots; A is loaded whole and split the
-same way: reading every other column from memory was 5x slower), so y's pairs come out split already.
+same way: reading every other column from memory is much slower), so y's pairs come out split already.
 Products run on tensor cores in the input dtype with float32 accumulation (the unfused path rounded y to the
 input dtype before rotating it; here the rotation reads the float32 product).
 """
@@ -163,9 +162,8 @@ def _rope_transform_bwd_kernel(GQ, GK, GQY, GKY, GVY, GV, A, COS, SIN, DQ, DK, D
 
 
 # (rows per block, blocks per program, warps) of each kernel on a GPU, for 2-byte inputs with D <= 128;
-# benchmarks/rope_transform.py sweeps them. Wider rows get fewer rows per block (see `_launch_config`). The backward's
-# two blocks per program: H200 sweep at 32768 x 4 x 64 and 8192 x 16 x 128, 0.082 / 0.165 ms against 0.101 / 0.171
-# with four (docs/benchmarks.md, Session 21; the same arithmetic per row).
+# benchmarks/rope_transform.py sweeps them (docs/benchmarks.md, "Fused glue ops"). Wider rows get fewer rows per
+# block (see `_launch_config`).
 CONFIG = {"fwd": (64, 1, 4), "bwd": (64, 2, 4)}
 TILE_BYTES = 64 * 128 * 2  # a row block holds at most this many bytes: float32 at D=128 needs half the rows
 
@@ -226,9 +224,8 @@ def _transform_grad_kernel(Q, K, V, G, P, N, ROWS_PER, sq_n, sq_h, sk_n, sk_h, s
 
 
 # Programs the dA reduction aims for: each (head, tensor) pair's rows are split into chunks until about this many
-# programs run (four per SM of an H100). cuBLAS's batched matmul over the heads ran the (H, D, D) output as 8-16
-# tiles, each reducing all N rows: at 4 heads of 64 over 32k rows it read x and g at a quarter of the copy rate.
-# H200 (Session 21): 528 against 264 took 0.049 vs 0.060 ms at 32768 x 4 x 64, 0.085 vs 0.093 at 8192 x 16 x 128.
+# programs run (four per SM of an H100). cuBLAS's batched matmul over the heads runs the (H, D, D) output as a few
+# tiles, each reducing all N rows, which leaves most SMs idle when there are few heads.
 DA_PROGRAMS = 528
 
 
