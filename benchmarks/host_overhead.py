@@ -1,5 +1,5 @@
 """Host time per call of LoGo's custom ops (GPU): the Python a compiled or eager step spends per layer before the
-kernels reach the GPU. A step whose kernels are short waits for this time (docs/benchmarks.md, Session 16).
+kernels reach the GPU. A step whose kernels are short waits for this time (docs/benchmarks.md, "Host time per op").
 
     python benchmarks/host_overhead.py [--rows 1024] [--heads 16] [--dim 128] [--impl triton|flash] [--profile]
                                        [--ops NAME] [--out F]

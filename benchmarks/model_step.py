@@ -3,7 +3,7 @@
     python benchmarks/model_step.py --out /tmp/model_step.json
     python benchmarks/model_step.py --shapes 1.5b-8k --compile on --out /tmp/model_step_compiled.json
     python benchmarks/model_step.py --shapes tiny --kinds full,logo --steps 2 --warmup 0 --out /tmp/s.json  # CPU
-    python benchmarks/model_step.py --shapes 1.5b-8k --kinds logo --set attention.recompute_branch_inputs=never
+    python benchmarks/model_step.py --shapes 1.5b-8k --kinds logo --backends triton
 
 Shapes (`--shapes`): 1.5b-8k (1.5B, 1 x 8192 tokens), 1.5b-32k (1.5B, 1 x 32768 tokens, activation
 checkpointing on), small (dim 256, 8 layers, 4 heads, vocab 512, 32 x 1024 tokens), tiny (CPU smoke test).
@@ -11,10 +11,8 @@ Kinds (`--kinds`): full, local, inter_layer, intra_layer, logo (the conf/attenti
 P-mask and with `attention.budget_control=quantile`: each threshold follows the (1 - rho) quantile of the last
 step's gate values, so after the warm-up steps about rho = 0.5 of the rows go global, whatever the untrained
 gate's offset; the realized ratio is reported). The learning rate is 0 (the fused AdamW step still does all
-its work): with the weights moving, the untrained gates shifted between steps faster than the quantile of the
-last step followed, and single steps routed 0.04-0.93 of the rows (a 1.5B/8k run reported 0.78 on 2026-11-24);
-with them fixed every step after the first routes rho. Until 2026-11-23 the thresholds were held at 0.5 instead,
-and the untrained gate's offset routed 0.17-0.50 of the rows depending on shape and compile.
+its work): with the weights moving, untrained gates shift between steps faster than the quantile of the last
+step follows; with them fixed every step after the first routes rho.
 
 Every (shape, kind) runs in a fresh subprocess, so the peak memory is that run's own; a CUDA out-of-memory is
 reported as "oom", a crash as "crash". Each run builds its model and step from the project's own code:
@@ -22,21 +20,19 @@ reported as "oom", a crash as "crash". Each run builds its model and step from t
 (train.compile, activation checkpointing), fused AdamW and `logo.train.step.train_step` / `optimizer_step` with
 train.loss, bf16 autocast on GPU. Data: random tokens, every row one document.
 Python's automatic garbage collection is off during the steps and generations 0-1 are collected every
-`train.gc_interval` steps, as in the trainer (`--set train.gc_interval=0` keeps automatic GC; until 2026-11-25 this
-script ran with it, so its pauses fell into the timed steps).
+`train.gc_interval` steps, as in the trainer (`--set train.gc_interval=0` keeps automatic GC).
 Per run: ms/step (median over --steps steps after --warmup steps, host-synchronised), tokens/s, MFU
 (`logo.model.flops.mfu`, the trainer's formula: 6 x (non-embedding + LM-head parameters) + attention FLOPs by
 kind, the realized ratio of the LoGo layers, over the GPU's dense bf16 peak) and the peak allocated memory.
 Writes the JSON to --out and prints one markdown table per shape. `--repeats R` runs R rounds of every kind
 (each run a fresh process; rows carry their round as "repeat"): the table then shows the median and range of
-ms/step and the median of each round's ratio to full attention. The small shape's step under CUDA graphs
-varied by up to 40% between processes of the same code on the GPU machines (docs/benchmarks.md, Session 11).
+ms/step and the median of each round's ratio to full attention (the small shape's step under CUDA graphs varies
+between processes of the same code, so compare rounds).
 `--profile N` times N more steps under torch.profiler (back to back, no sync between them) and adds per step: GPU
 busy time, the top kernels and host ops, the GPU's idle time and its largest idle gaps by the kernels on either side
-(where a host-bound stretch makes the GPU wait; docs/benchmarks.md, Session 16), each split into the part before the
-host's launch call of the next kernel returned (host-bound) and the rest (Session 21). `--host-timing` adds, without a
-profiler, the medians of the host's issue time of the forward and of the whole step against the GPU's finish times
-(is the step host-paced? Session 18).
+(where a host-bound stretch makes the GPU wait), each split into the part before the host's launch call of the next
+kernel returned (host-bound) and the rest. `--host-timing` adds, without a profiler, the medians of the host's issue
+time of the forward and of the whole step against the GPU's finish times (is the step host-paced?).
 """
 from __future__ import annotations
 
@@ -170,7 +166,7 @@ class HostTiming:
     """--host-timing: per measured step, when the host has issued the forward (the model's forward returned: the
     loss is computed inside it) and the whole step, against when the GPU finished each (CUDA events), without a
     profiler. A forward whose host issue time is close to its GPU time is host-paced: the GPU waits wherever the
-    host's per-layer work runs longer than the layer's kernels (docs/benchmarks.md, Session 18)."""
+    host's per-layer work runs longer than the layer's kernels."""
 
     def __init__(self, model, cuda: bool):
         import torch
@@ -390,7 +386,7 @@ def parse_args(argv=None):
                     help="comma list of attention.backend values to run each (shape, kind) with (auto, flash, triton)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (shape, kind) run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a train.py override for every run (repeatable), e.g. attention.recompute_branch_inputs=never")
+                    help="a train.py override for every run (repeatable), e.g. train.loss=liger")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)

@@ -60,7 +60,7 @@ def test_resume_is_exact(straight, tmp_path):
     shutil.copytree(d / "checkpoints" / f"step_{N // 2:08d}", resumed / "checkpoints" / f"step_{N // 2:08d}")
     p = run_train(*TINY_RUN, f"train.steps={N}", f"checkpoint.interval={N // 2}", "checkpoint.keep=10",
                   f"run.dir={resumed}")
-    assert f"resumed from" in p.stderr + p.stdout
+    assert "resumed from" in p.stderr + p.stdout
     a = {r["step"]: r for r in read_metrics(d)}
     b = {r["step"]: r for r in read_metrics(resumed)}
     assert sorted(b) == list(range(N // 2 + 1, N + 1))
@@ -69,7 +69,6 @@ def test_resume_is_exact(straight, tmp_path):
             if k not in ("tokens_per_s", "memory_gib") and not k.startswith(("step_time", "checkpoint/")):  # timings
                 assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])  # losses, lr, grad norm, thresholds, ratios
     # the final weights and thresholds are identical too
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     for name, src in (("a", d), ("b", resumed)):
         dcp_to_torch_save(str(src / "checkpoints" / f"step_{N:08d}"), str(tmp_path / f"{name}.pt"))

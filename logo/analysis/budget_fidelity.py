@@ -17,6 +17,11 @@ import sys
 from pathlib import Path
 
 from logo.analysis.plot_metrics import per_layer, read_metrics
+from data.default_corpus import ensure_default_corpus
+from data.loader import ShardDataset, TokenLoader
+from logo.config import AttentionConfig, model_config
+from logo.model import BudgetController, Transformer
+from logo.train.step import lm_loss_sum
 
 TAIL = 0.2
 
@@ -28,11 +33,6 @@ def train_run(out: Path, controller: str, rho: float, steps: int, vocab: int, se
 
     import torch
 
-    from data.default_corpus import ensure_default_corpus
-    from data.loader import ShardDataset, TokenLoader
-    from logo.config import AttentionConfig, model_config
-    from logo.model import BudgetController, Transformer
-    from logo.train.step import lm_loss_sum
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

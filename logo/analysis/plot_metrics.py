@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Optional
+from logo.train.metrics import ratio_heatmap_figure
 
 LAYER_KEY = re.compile(r"^logo/(ratio|threshold|gate_mean|gate_std)/layer_(\d+)$")
 
@@ -130,7 +131,6 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
         ax.legend(fontsize=7, ncol=2)
         save(fig, "gate.png")
 
-        from logo.train.metrics import ratio_heatmap_figure
         history = [(r["step"], {i: r[f"logo/ratio/layer_{i}"] for i in ratio if f"logo/ratio/layer_{i}" in r})
                    for r in rows]
         save(ratio_heatmap_figure([h for h in history if h[1]]), "ratio_heatmap.png")

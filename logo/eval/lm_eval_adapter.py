@@ -28,6 +28,7 @@ from logo.eval.decode import generate
 from logo.eval.load import EvalError, load_model
 from logo.eval.progress import Progress
 from logo.eval.scoring import hidden_states, token_logprobs
+from data.tokenizer import load_tokenizer
 
 
 @register_model("logo")
@@ -38,7 +39,6 @@ class LogoLM(TemplateLM):
         super().__init__()
         if not checkpoint and loaded is None:
             raise EvalError("the logo model needs --model_args checkpoint=<run dir or checkpoint folder>")
-        from data.tokenizer import load_tokenizer
         self.loaded = loaded or load_model(checkpoint, device, dtype)
         self.model = self.loaded.model
         self._device = self.loaded.device

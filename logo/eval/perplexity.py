@@ -19,6 +19,7 @@ from logo.config import ConfigError
 from logo.eval.load import Loaded
 from logo.eval.progress import Progress
 from logo.eval.scoring import context_positions, hidden_states, token_logprobs
+from data.default_corpus import ensure_default_corpus
 
 
 def corpus_path(loaded: Loaded, data: Optional[str]) -> Path:
@@ -26,7 +27,6 @@ def corpus_path(loaded: Loaded, data: Optional[str]) -> Path:
     if data:
         return Path(data)
     if loaded.cfg.data.kind == "default":
-        from data.default_corpus import ensure_default_corpus
         return ensure_default_corpus(tokenizer=loaded.cfg.data.tokenizer)
     return Path(loaded.cfg.data.path)
 

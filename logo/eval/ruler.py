@@ -16,6 +16,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
+from logo.eval.generate import greedy_generate
+from logo.eval.load import EvalError
+from logo.eval.decode import generate
+from logo.eval.progress import Progress
 
 TASKS = ("s_niah_1", "s_niah_2", "s_niah_3", "mk_niah_1", "mk_niah_2", "mk_niah_3", "mq_niah", "mv_niah")
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
@@ -140,7 +144,6 @@ def evaluate(generate: Callable[[NeedleSample], str], builder: NeedleTaskBuilder
 
 def model_generate_fn(model, tokenizer, max_new_tokens: int = 64, autocast_dtype=None):
     """A `generate` for `evaluate` that greedily decodes with a model, stopping at a newline or EOS."""
-    from logo.eval.generate import greedy_generate
     stop = {tokenizer.eot_token, *tokenizer.encode("\n")}
 
     def run(sample: NeedleSample) -> str:
@@ -152,7 +155,6 @@ def model_generate_fn(model, tokenizer, max_new_tokens: int = 64, autocast_dtype
 
 def check_request(lengths: list[int], tasks: list[str], context: int) -> None:
     """One-line errors for an unknown task or a length the model cannot take (> its trained context)."""
-    from logo.eval.load import EvalError
     for t in tasks:
         if t not in TASKS:
             raise EvalError(f"unknown RULER task {t!r}; choose from {list(TASKS)}")
@@ -172,9 +174,6 @@ def run_ruler(model, tokenizer, lengths: list[int], tasks: Optional[list[str]] =
     `logo.eval.progress.Progress`): a bar over the prompts, counting prompt and generated tokens."""
     from contextlib import nullcontext
 
-    from logo.eval.decode import generate
-    from logo.eval.load import EvalError
-    from logo.eval.progress import Progress
     tasks = list(tasks or TASKS)
     builder = NeedleTaskBuilder(tokenizer, seed=seed)
     stop = {tokenizer.eot_token, *tokenizer.encode("\n")}

@@ -20,6 +20,7 @@ from logo.analysis.span_allocation import (allocation_stats, plot_domains, plot_
                                            word_scores, word_spans)
 from logo.eval.load import EvalError, Loaded
 from logo.eval.progress import Progress
+from data.tokenizer import load_tokenizer
 
 
 def _name(path: Path, used: set) -> str:
@@ -48,7 +49,6 @@ def _rows(ids: list[int], T: int, pad: int):
 def span_analysis(loaded: Loaded, texts: list[str], out_dir: Path, max_tokens: Optional[int] = None,
                   max_words: int = 400, progress: Optional[Progress] = None) -> list[Path]:
     """Write the figures and the JSON to out_dir; returns the files written. `progress` counts the tokens."""
-    from data.tokenizer import load_tokenizer
     model = loaded.model
     if not model.logo_layer_ids:
         raise EvalError(f"checkpoint {loaded.checkpoint} has no LoGo layers (attention.kind="

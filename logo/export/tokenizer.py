@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from data.tokenizer import load_tokenizer
 
 
 @functools.lru_cache(maxsize=2)
@@ -18,7 +19,6 @@ def _tokenizer_json(name: str) -> str:
     from tokenizers.models import BPE
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from data.tokenizer import load_tokenizer
     enc = load_tokenizer(name)
 
     class _FromEncoding(TikTokenConverter):
@@ -45,7 +45,6 @@ def _saved_files(name: str) -> tuple[tuple[str, bytes], ...]:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from data.tokenizer import load_tokenizer
     tok = Tokenizer.from_str(_tokenizer_json(name))
     eot_str = tok.id_to_token(load_tokenizer(name).eot_token)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot_str, eos_token=eot_str)
@@ -56,7 +55,6 @@ def _saved_files(name: str) -> tuple[tuple[str, bytes], ...]:
 
 def save_tokenizer(name: str, out: Path, max_length: int) -> int:
     """Write tokenizer.json + tokenizer_config.json for tiktoken encoding `name`; returns the end-of-text id."""
-    from data.tokenizer import load_tokenizer
     for fname, data in _saved_files(name):
         if fname == "tokenizer_config.json":
             data = json.dumps({**json.loads(data), "model_max_length": max_length}, indent=2).encode()

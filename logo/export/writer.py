@@ -13,7 +13,8 @@ import shutil
 import struct
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import torch
 

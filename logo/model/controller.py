@@ -33,6 +33,7 @@ from typing import Optional
 from collections.abc import Callable
 
 import torch
+from logo.model.flops import realized_global_fraction
 
 # Columns of the per-layer routing stats (logo.model.routing.routing_stats); the quantile controller's
 # gate-logit histogram follows in columns HIST.. .
@@ -206,7 +207,6 @@ class BudgetController:
         integral term (quantile), and the realized global-attention FLOPs fraction. One host sync."""
         if not self.layers or self._last is None:
             return {}
-        from logo.model.flops import realized_global_fraction
         last = self._last[:, :NEAR + 1]
         L = len(self.layers)
         host = torch.cat((last, self.window_ratios()[:, None], self.thresholds().to(last)[:, None],

@@ -28,6 +28,8 @@ import torch.distributed._functional_collectives as funcol
 
 from data.loader import Batch
 from logo.kernels import dispatch
+from logo.kernels.reference import positions_in_sequence
+from logo.config import ConfigError
 
 
 def chunk_owner(j: int, cp: int) -> tuple[int, int]:
@@ -100,7 +102,6 @@ def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torc
     for s in range(cp):  # global row of each of rank s's local rows
         g = (torch.arange(B)[:, None] * T + local_columns(T, cp, s)[None, :]).flatten()
         gather[g] = s * n_local + torch.arange(n_local)
-    from logo.kernels.reference import positions_in_sequence
     layout = CPLayout(cp, B, c, window, cu_g.to(torch.int32), torch.cat(docs), torch.cat(offsets).to(torch.int32),
                       positions_in_sequence(cu_local, n_local), gather, torch.tensor(halo_cuts, dtype=torch.int32))
     return local, cols, layout
@@ -221,7 +222,6 @@ def context_parallel(model: nn.Module, layout: CPLayout):
 
 
 def check_cp(seq_len: int, cp: int, window: int) -> None:
-    from logo.config import ConfigError
     if seq_len % (2 * cp):
         raise ConfigError(f"invalid config parallel.cp={cp}: stage.seq_len={seq_len} is not divisible by 2*cp")
     if cp > 1 and seq_len // (2 * cp) < window - 1:

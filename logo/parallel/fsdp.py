@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from logo.parallel.tp import apply_tp
+from logo.parallel.cp import apply_cp
 
 log = logging.getLogger("logo")
 
@@ -87,12 +89,10 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
         raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device only: FSDP and tensor "
                          "parallelism communicate inside the blocks; use train.compile_mode=default")
     if tp_mesh is not None:
-        from logo.parallel.tp import apply_tp
         apply_tp(model, tp_mesh)
         if dist.get_rank() == 0:
             log.info("tensor + sequence parallel over %d ranks", tp_mesh.size())
     if cp_mesh is not None:
-        from logo.parallel.cp import apply_cp
         apply_cp(model, cp_mesh.get_group())
     if activation_checkpointing:
         from torchtitan.config.job_config import ActivationCheckpoint

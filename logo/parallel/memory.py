@@ -20,6 +20,8 @@ estimate is at most 90% of the GPU's memory. Checked against measured peaks in d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from logo.model import Transformer
+from logo.model.flops import param_counts
 
 GIB = 2 ** 30
 GPUS_GB = (40, 80, 141)  # A100-40GB, A100/H100-80GB, H200-141GB (decimal GB as sold)
@@ -70,8 +72,6 @@ def _layer_bytes_per_token(kind: str, d: int, h: int, tp: int, cp: int, rho: flo
 def estimate(cfg, seq_len: int, micro_batch: int, dp: int, cp: int, tp: int) -> MemoryEstimate:
     """cfg: a ModelConfig (validated)."""
     import torch
-    from logo.model import Transformer
-    from logo.model.flops import param_counts
     with torch.device("meta"):
         model = Transformer(cfg)
     total, _ = param_counts(model)

@@ -8,6 +8,7 @@ from pathlib import Path
 from logo.report.layouts import LAYOUTS
 from logo.report.report import ReportError, Settings, build_report, default_out
 from logo.report.write import write_report
+from logo.report.wandb_log import log_report
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +48,6 @@ def main(argv=None) -> int:
         files = write_report(rep, out)
         print(f"wrote {out}/: {', '.join(p.name for p in files)}")
         if a.wandb:
-            from logo.report.wandb_log import log_report
             print(log_report(rep, files, a.wandb_project))
     except (ReportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,14 +6,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from logo.report.report import Report
+from logo.run.wandb import wandb_logged_in
 
 
 def log_report(rep: Report, files: list[Path], project: str) -> str:
     """Online when logged in (or WANDB_MODE says so), else offline files under <out>/wandb; returns one line."""
     import pandas as pd
     import wandb
-
-    from logo.train.metrics import wandb_logged_in
 
     mode = os.environ.get("WANDB_MODE") or ("online" if wandb_logged_in() else "offline")
     out = files[0].parent

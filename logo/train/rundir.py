@@ -31,6 +31,8 @@ log = logging.getLogger("logo")
 LOCK_FILE = ".lock"
 # Config keys (dotted prefixes) a resumed run may change: the budget and length of the run, how it is split,
 # compiled, logged, checkpointed, evaluated and launched. Everything else must equal the checkpoint's config.
+# The model.attention.* keys after train.activation_checkpointing are settings that older runs' config.yaml files
+# still hold: resuming such a run is not drift.
 RESUME_MAY_CHANGE = ("train.steps", "train.micro_batch", "train.compile", "train.activation_checkpointing",
                      "model.attention.recompute_branch_inputs", "model.attention.compile_glue",
                      "model.attention.fuse_rope", "model.attention.fuse_branches", "model.attention.fuse_context_norm",
@@ -112,7 +114,7 @@ class RunLock:
         self._thread: Optional[threading.Thread] = None
         self.info = _holder_info()
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock or raise RunDirLocked naming the holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
 from data.loader import Batch, StepData
 from logo.model.layers import check_cu_seqlens
 from logo.model.lm_head import fused_lm_loss_sum, lm_loss_sum
+from logo.parallel.cp import context_parallel, shard_batch
 
 
 class TrainingDiverged(RuntimeError):
@@ -76,7 +77,6 @@ def _context_parallel(model, cpu_mb: Batch, dims, window: int, device: torch.dev
     backward); the micro-batch itself, None and a no-op when there is no context parallelism."""
     if dims is None or dims.cp == 1:
         return cpu_mb, None, nullcontext()
-    from logo.parallel.cp import context_parallel, shard_batch
     local, positions, layout = shard_batch(cpu_mb, dims.cp, dims.rank("cp"), window)
     return local, positions.to(device), context_parallel(model, layout.to(device))
 

@@ -15,7 +15,6 @@ Written by `python -m logo.export`; self-contained (no `logo` import, no Triton)
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn as nn
