@@ -129,13 +129,13 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal_or_when_turned_off(run, c
 
 def test_ruler_progress_counts_prompt_and_generated_tokens(loaded, capsys, monkeypatch):
     from data.tokenizer import load_tokenizer
-    from logo.eval import decode
+    from logo.eval import decode, ruler
     from logo.eval.progress import Progress
     from logo.eval.ruler import NeedleTaskBuilder, run_ruler
 
     def two_tokens_each(model, prompts, max_new_tokens, stop_ids=None, **kw):  # a decoder that always writes 2
         return decode.Generation([[11, 12] for _ in prompts])
-    monkeypatch.setattr(decode, "generate", two_tokens_each)
+    monkeypatch.setattr(ruler, "generate", two_tokens_each)
     tok = load_tokenizer(loaded.cfg.data.tokenizer)
     progress = Progress(enabled=True)
     run_ruler(loaded.model, tok, [100], ["s_niah_1"], samples=3, batch_size=2, max_new_tokens=4, progress=progress)
