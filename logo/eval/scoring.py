@@ -13,9 +13,7 @@ from typing import Optional
 import torch
 
 from logo.model.layers import PackedSeqs, rope_cos_sin
-
-CHUNK_ELEMENTS = 1 << 25  # logits per head application (128 MiB in fp32); at least one position per chunk
-IGNORE = -100
+from logo.model.lm_head import CHUNK_ELEMENTS, IGNORE_INDEX, autocast_operands
 
 
 def hidden_states(model, tokens: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
@@ -39,22 +37,13 @@ def context_positions(model, batch_size: int, seq_len: int, cu_seqlens: Optional
     return PackedSeqs.build(batch_size, seq_len, "cpu", cu_seqlens.cpu()).pos.view(batch_size, seq_len).long()
 
 
-def _head_operands(h: torch.Tensor, w: torch.Tensor):
-    """(h, w) in the autocast dtype when autocast is on for their device, as the model's head would run."""
-    dev = h.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return h.to(dt), w.to(dt)
-    return h, w
-
-
 @torch.no_grad()
 def token_logprobs(model, h: torch.Tensor, targets: torch.Tensor,
                    greedy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """h (n, d) hidden states, targets (n,) next tokens -> (log p(target) (n,) fp32, target is the argmax over
     the real vocabulary (n,) bool, or None when `greedy` is False). Targets of -100 give 0 / False."""
     n, vocab = h.shape[0], model.cfg.vocab_size
-    hc, w = _head_operands(h, model.output.weight)
+    hc, w = autocast_operands(h, model.output.weight)
     rows = max(1, CHUNK_ELEMENTS // w.shape[0])
     logp = torch.zeros(n, dtype=torch.float32, device=h.device)
     hits = torch.zeros(n, dtype=torch.bool, device=h.device) if greedy else None
@@ -68,7 +57,7 @@ def token_logprobs(model, h: torch.Tensor, targets: torch.Tensor,
                 hits[s:s + rows] = logits[:, :vocab].argmax(1) == t
             top = logits.amax(1, keepdim=True)
             lse = top.squeeze(1) + logits.sub_(top).exp_().sum(1).log()  # in place: the logits are spent
-            logp[s:s + rows] = torch.where(t != IGNORE, target_logit - lse, 0.0)
+            logp[s:s + rows] = torch.where(t != IGNORE_INDEX, target_logit - lse, 0.0)
     return logp, hits
 
 

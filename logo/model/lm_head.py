@@ -128,8 +128,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return dh, dw, None, None, None, None
 
 
-def _autocast_operands(h: torch.Tensor, w: torch.Tensor):
-    """(h, w) cast to the autocast dtype when autocast is on for their device (differentiable casts)."""
+def autocast_operands(h: torch.Tensor, w: torch.Tensor):
+    """(h, w) cast to the autocast dtype when autocast is on for their device (differentiable casts), as the
+    model's head runs them."""
     dev = h.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
@@ -142,7 +143,7 @@ def chunked_loss_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chu
     chunk_rows: 0 = CHUNK_ELEMENTS // V."""
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // w.shape[0])
     need = torch.is_grad_enabled()
-    hc, wc = _autocast_operands(h, w)
+    hc, wc = autocast_operands(h, w)
     with torch.autocast(h.device.type, enabled=False):
         return _ChunkedLinearCrossEntropy.apply(hc, wc, labels, rows, need and hc.requires_grad,
                                                 need and wc.requires_grad)
