@@ -14,7 +14,7 @@ the fraction of (layer, step) pairs where no row was routed global (the global k
 route about half the tokens (p ~ 0.5 around b = 0.5); pass `--checkpoint` for a trained model's routing.
 
 The anchor (`--anchor transformers`, on by default on GPU): the full-attention model's weights mapped to
-`LlamaForCausalLM` by the exporter's converter (`logo.export.convert.to_hf`), the same prompts, greedy
+`LlamaForCausalLM` by the exporter's converter (`logo.run.hf_layout.to_hf`), the same prompts, greedy
 `generate` with its default cache; ms per step = (time for 1 + N new tokens - time for 1) / N.
 
 `--ruler N`: also a RULER run per kind and context (`logo.eval.ruler.run_ruler`: every task, N samples each, the
@@ -53,7 +53,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def build(args, kind: str, device: torch.device) -> Transformer:
     if args.checkpoint:
-        from logo.eval.load import load_model
+        from logo.run.load import load_model
         model = load_model(args.checkpoint, str(device), "fp32").model
     else:
         torch.manual_seed(0)
@@ -119,7 +119,7 @@ def llama_of(model):
     """The full-attention model as transformers' LlamaForCausalLM (the exporter's weight mapping)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from logo.export.convert import to_hf
+    from logo.run.hf_layout import to_hf
     cfg = model.cfg
     hf = LlamaConfig(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
                      num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,

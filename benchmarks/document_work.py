@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     import torch
     from logo.model import Transformer
     from logo.model.flops import attention_flops_per_token, param_counts, train_flops_per_token
-    from logo.train.config import compose
+    from logo.run.config import compose
     cfg = compose(list(args.overrides))[0]
     T = cfg.stage.seq_len
     with torch.device("meta"):

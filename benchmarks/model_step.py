@@ -16,7 +16,7 @@ step follows; with them fixed every step after the first routes rho.
 
 Every (shape, kind) runs in a fresh subprocess, so the peak memory is that run's own; a CUDA out-of-memory is
 reported as "oom", a crash as "crash". Each run builds its model and step from the project's own code:
-`logo.train.config.compose` (the train.py config), the meta-device `Transformer`, `logo.parallel.parallelize`
+`logo.run.config.compose` (the train.py config), the meta-device `Transformer`, `logo.parallel.parallelize`
 (train.compile, activation checkpointing), fused AdamW and `logo.train.step.train_step` / `optimizer_step` with
 train.loss, bf16 autocast on GPU. Data: random tokens, every row one document.
 Python's automatic garbage collection is off during the steps and generations 0-1 are collected every
@@ -83,7 +83,7 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
     from logo.model.flops import mfu, param_counts, peak_bf16_flops, realized_ratios
     from logo.model.lm_head import resolve_loss_impl
     from logo.parallel import parallelize
-    from logo.train.config import compose
+    from logo.run.config import compose
     from logo.train.step import DivergenceMonitor, make_optimizer, optimizer_step, train_step
 
     cfg, _, _ = compose(overrides(shape, kind, compile_, ac, loss, extra_overrides))

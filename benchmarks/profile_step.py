@@ -254,8 +254,8 @@ def main(argv=None) -> int:
 
     from data.format import DataError
     from logo.config import ConfigError
-    from logo.train.checkpoint import CheckpointError
-    from logo.train.config import compose
+    from logo.run.checkpoint import CheckpointError
+    from logo.run.config import compose
     from logo.train.trainer import TrainingDiverged, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     if min(args.gpus) < 1 or args.micro_batch < 1 or args.accum < 1 or args.steps < 2:
         ap.error("--gpus, --micro-batch and --accum must be >= 1 and --steps >= 2")
     from logo.config import ConfigError
-    from logo.train.config import compose
+    from logo.run.config import compose
     try:
         seq_len = compose(list(args.overrides))[0].stage.seq_len
     except ConfigError as e:

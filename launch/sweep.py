@@ -97,7 +97,7 @@ def compose(names: list[str], overrides: list[str]) -> list[Preset]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from logo.train.config import register_configs, to_dataclass
+    from logo.run.config import register_configs, to_dataclass
     from logo.train.plan import run_name
 
     register_configs()

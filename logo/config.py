@@ -1,4 +1,4 @@
-"""Typed model and attention configs (plain dataclasses; Hydra registers them in `logo.train.config`).
+"""Typed model and attention configs (plain dataclasses; Hydra registers them in `logo.run.config`).
 
 Every field is validated by `validate()`, which raises `ConfigError` naming the offending field and value.
 """

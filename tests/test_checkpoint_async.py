@@ -117,7 +117,8 @@ def test_time_interval_same_step_on_every_rank_and_milestones_survive(tmp_path, 
 
 
 def test_host_memory_check_names_the_mode():
-    from logo.train.checkpoint import CheckpointError, host_memory_check
+    from logo.run.checkpoint import CheckpointError
+    from logo.train.checkpoint import host_memory_check
     host_memory_check(2**30, 4, 8 * 2**30, "async_pinned")  # 4 GiB of 8: fine
     with pytest.raises(CheckpointError,
                        match=r"checkpoint.async_mode=async_pinned needs 8.0 GiB .*\(4 ranks x 2.0 GiB\)"):

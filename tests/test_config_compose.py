@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from logo.config import PEAK_LR, AttentionConfig, ConfigError
-from logo.train.config import register_configs, to_dataclass
+from logo.run.config import register_configs, to_dataclass
 from logo.train.plan import make_plan
 from logo.train.trainer import dry_run
 

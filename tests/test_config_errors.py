@@ -3,7 +3,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from logo.config import ConfigError
-from logo.train.config import register_configs, to_dataclass
+from logo.run.config import register_configs, to_dataclass
 
 from conftest import ROOT, TINY_RUN, run_train
 

@@ -33,7 +33,7 @@ def run(tmp_path_factory, default_corpus):
 
 @pytest.fixture(scope="module")
 def loaded(run):
-    from logo.eval.load import load_model
+    from logo.run.load import load_model
     return load_model(run[0], device="cpu")
 
 

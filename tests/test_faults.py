@@ -123,7 +123,8 @@ def test_disk_full_on_a_real_small_filesystem(tmp_path, default_corpus):
 
 def test_free_space_check_fails_before_writing(tmp_path):
     """The previous checkpoint is larger than the free space: the save fails before writing anything."""
-    from logo.train.checkpoint import CheckpointError, Checkpointer
+    from logo.run.checkpoint import CheckpointError
+    from logo.train.checkpoint import Checkpointer
     mnt = tmp_path / "small"
     if not _mount_tmpfs(mnt, "8m"):
         pytest.skip("cannot mount a tmpfs here (needs root and mount)")
@@ -214,7 +215,8 @@ def test_no_checkpoint_that_verifies_stops_in_one_line(sync_reference, tmp_path)
 def test_non_finite_weights_stop_the_resume(tmp_path):
     """A checkpoint that verifies but holds NaN weights (saved from a diverged model) stops the load in one line."""
     import torch
-    from logo.train.checkpoint import CheckpointError, Checkpointer
+    from logo.run.checkpoint import CheckpointError
+    from logo.train.checkpoint import Checkpointer
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     with torch.no_grad():

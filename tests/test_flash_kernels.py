@@ -139,7 +139,7 @@ def test_unavailable_reason_on_cpu():
 
 def test_plan_reports_the_attention_kernels(tmp_path):
     """The dry run's plan (printed at start-up and written to plan.json) names the kernels the run uses here."""
-    from logo.train.config import to_dataclass
+    from logo.run.config import to_dataclass
     from test_config_compose import compose_cfg
     from logo.train.plan import make_plan
     cfg = to_dataclass(compose_cfg("model=tiny", f"run.dir={tmp_path}"))

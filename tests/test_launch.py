@@ -159,7 +159,7 @@ def test_sweep_sh_runs_the_sweep_and_rejects_bad_seeds(tmp_path):
 def test_every_paper_preset_splits_its_batch_over_its_gpus():
     """The `launch:` block of every preset gives a world size that divides its global batch."""
     from hydra import compose, initialize_config_dir
-    from logo.train.config import register_configs, to_dataclass
+    from logo.run.config import register_configs, to_dataclass
     from logo.train.plan import make_plan
     register_configs()
     presets = sorted((ROOT / "conf/experiment").rglob("*.yaml"))

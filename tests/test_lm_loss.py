@@ -173,7 +173,7 @@ def test_resolve_and_config_errors():
     assert resolve_loss_impl("auto", "cuda", 32768 * 100352) == ("liger" if liger_available() else "plain")
     with pytest.raises(ValueError, match=r"^invalid config train.loss='liger': liger-kernel needs a CUDA device"):
         resolve_loss_impl("liger", "cpu")
-    from logo.train.config import compose
+    from logo.run.config import compose
     with pytest.raises(ConfigError, match=r"^invalid config train.loss='fused': choose one of"):
         compose(["train.loss=fused"])
 

@@ -70,7 +70,7 @@ def test_mfu_uses_realized_logo_ratios():
 
 def test_set_overrides_reach_every_run_config():
     """--set KEY=VALUE is appended to each run's train.py overrides (after the kind's own)."""
-    from logo.train.config import compose
+    from logo.run.config import compose
     ms = _model_step_module()
     args = ms.parse_args(["--kinds", "logo", "--set", "attention.window=64"])
     ov = ms.overrides("tiny", "logo", False, False, "auto", args.set)

@@ -23,7 +23,8 @@ from data.format import DataError
 from data.tokenizer import TokenizerError, load_tokenizer
 from logo.config import ConfigError
 from logo.eval.lm_eval_run import lm_eval_metrics, run_lm_eval
-from logo.eval.load import EvalError, load_model
+from logo.eval.load import EvalError
+from logo.run.load import load_model
 from logo.eval.perplexity import perplexity, perplexity_metrics
 from logo.eval.progress import Progress
 from logo.eval.results import log_metrics, save_results

@@ -10,7 +10,7 @@ models), so the bare `lm_eval` command cannot see `logo`: importing this module 
 model_args: checkpoint (run directory or checkpoints/step_N, required), device, dtype (auto|fp32|bf16),
 batch_size, max_length (default: the trained context, stage.seq_len), max_gen_toks (default 256), progress
 (true|false; default: a bar on stderr only when it is a terminal); from Python, `loaded` (a
-`logo.eval.load.Loaded`) instead of checkpoint, and `progress` may be a `logo.eval.progress.Progress`.
+`logo.run.load.Loaded`) instead of checkpoint, and `progress` may be a `logo.eval.progress.Progress`.
 The bars count requests and show the tokens/s of the tokens scored or read and generated.
 Log-probabilities are softmax over the model's padded vocabulary (the training loss's distribution); greedy
 checks and generation use the real vocabulary. generate_until decodes with static KV caches (`logo.eval.decode`), greedy or sampled.
@@ -25,7 +25,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from logo.eval.decode import generate
-from logo.eval.load import EvalError, load_model
+from logo.eval.load import EvalError
+from logo.run.load import load_model
 from logo.eval.progress import Progress
 from logo.eval.scoring import hidden_states, token_logprobs
 from data.tokenizer import load_tokenizer

@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from logo.eval.load import EvalError, Loaded
+from logo.eval.load import EvalError
+from logo.run.load import Loaded
 
 
 def run_lm_eval(loaded: Loaded, tasks: list[str], include_path: Optional[str] = None,

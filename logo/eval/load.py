@@ -1,8 +1,4 @@
-"""Loading for evaluation: the model and its config come from `logo.run.load` (shared with export);
-`EvalError` is the evaluation commands' own error."""
-from logo.run.load import DTYPES, Loaded, load_model, pick_device, run_config
-
-__all__ = ["DTYPES", "EvalError", "Loaded", "load_model", "pick_device", "run_config"]
+"""The evaluation commands' own error (the model and its config load through `logo.run.load`)."""
 
 
 class EvalError(ValueError):

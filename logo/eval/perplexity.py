@@ -16,7 +16,7 @@ import torch
 from data.format import DataError
 from data.loader import IGNORE_INDEX, Batch, ShardDataset, TokenLoader
 from logo.config import ConfigError
-from logo.eval.load import Loaded
+from logo.run.load import Loaded
 from logo.eval.progress import Progress
 from logo.eval.scoring import context_positions, hidden_states, token_logprobs
 from data.default_corpus import ensure_default_corpus

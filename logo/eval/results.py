@@ -15,7 +15,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from logo.eval.load import Loaded
+from logo.run.load import Loaded
 from logo.run.checkpoint import read_train_state
 from logo.run.wandb import wandb_logged_in
 

@@ -18,7 +18,8 @@ import torch
 
 from logo.analysis.span_allocation import (allocation_stats, plot_domains, plot_words, record_routing,
                                            word_scores, word_spans)
-from logo.eval.load import EvalError, Loaded
+from logo.eval.load import EvalError
+from logo.run.load import Loaded
 from logo.eval.progress import Progress
 from data.tokenizer import load_tokenizer
 

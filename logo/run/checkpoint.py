@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from data.format import file_sha256
-from logo.run.files import write_durably
+from data.format import atomic_write_json, file_sha256
 from logo.run.ranks import is_dist, rank0_decides
 
 log = logging.getLogger("logo")
@@ -74,9 +72,7 @@ def write_digests(folder: Path) -> None:
     files = sorted(f for f in Path(folder).iterdir() if f.is_file() and f.name != DIGESTS)
     sha = _hash_files(files)
     entries = {f.name: {"bytes": f.stat().st_size, "sha256": sha[f.name]} for f in files}
-    tmp = Path(folder) / (DIGESTS + ".tmp")
-    write_durably(tmp, json.dumps({"algorithm": "sha256", "files": entries}, indent=1).encode())
-    os.replace(tmp, Path(folder) / DIGESTS)
+    atomic_write_json(Path(folder) / DIGESTS, {"algorithm": "sha256", "files": entries})
 
 
 _verified: dict = {}  # (folder, digests.json's mtime_ns) -> the verdict of `verify`

@@ -40,20 +40,14 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from logo.run.checkpoint import (DIGESTS, MILESTONE, STEP_DIR, TRAIN_STATE, CheckpointError, agreed, check_finite,
-                                 complete_checkpoints, dcp_load, first_line, is_complete, load_model_only,
-                                 newest_verified, quiet_dcp, read_train_state, resolve_checkpoint, root_cause, verify,
-                                 write_digests)
+from logo.run.checkpoint import (MILESTONE, STEP_DIR, TRAIN_STATE, CheckpointError, agreed, check_finite,
+                                 complete_checkpoints, dcp_load, first_line, newest_verified, quiet_dcp,
+                                 read_train_state, resolve_checkpoint, root_cause, write_digests)
 from logo.run.files import dir_bytes, fsync_dir, fsync_file, write_durably
 from logo.run.ranks import barrier, rank, rank0_decides
 
 log = logging.getLogger("logo")
 ASYNC_MODES = ("none", "async", "async_pinned")
-# the reading side lives in logo.run.checkpoint; these names stay importable from here
-__all__ = ["ASYNC_MODES", "DIGESTS", "MILESTONE", "STEP_DIR", "TRAIN_STATE", "CheckpointError", "Checkpointer",
-           "ReusedStager", "SaveStats", "agreed", "available_host_memory", "check_finite", "host_memory_check",
-           "is_complete", "load_model_only", "local_state_bytes", "read_train_state", "resolve_checkpoint", "verify",
-           "write_digests"]
 
 
 @dataclass
