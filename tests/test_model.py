@@ -91,7 +91,7 @@ def test_intra_layer_hybrid_realizes_its_budget_exactly(frac, expect):
         model = Transformer(cfg)
     for block in model.layers.values():
         assert block.attention.n_global == expect
-        assert block.attention.global_head_fraction() == frac
+        assert block.attention.n_global / cfg.n_heads == frac
     assert attention_budget(cfg) == frac
 
 

@@ -67,19 +67,12 @@ class QKVAttention(nn.Module):
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.wo.weight, std=out_std)
 
-    def global_head_fraction(self) -> float:
-        """Fraction of (head, token) pairs with full-context span (the static attention budget)."""
-        raise NotImplementedError
-
 
 class FullAttention(QKVAttention):
     def forward(self, x, cos, sin, seqs: PackedSeqs):
         q, k, v = self.project(x)
         o = causal(self.attention_ops, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, seqs, self.attn_cfg.backend)
         return self.wo(o.flatten(2)), None, None
-
-    def global_head_fraction(self) -> float:
-        return 1.0
 
 
 class LocalAttention(QKVAttention):
@@ -88,9 +81,6 @@ class LocalAttention(QKVAttention):
         o = local(self.attention_ops, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, seqs,
                   self.attn_cfg.window, self.attn_cfg.backend)
         return self.wo(o.flatten(2)), None, None
-
-    def global_head_fraction(self) -> float:
-        return 0.0
 
 
 class IntraLayerHybridAttention(QKVAttention):
@@ -113,9 +103,6 @@ class IntraLayerHybridAttention(QKVAttention):
                                seqs, a.window, a.backend))
         o = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         return self.wo(o.flatten(2)), None, None
-
-    def global_head_fraction(self) -> float:
-        return self.n_global / self.n_heads
 
 
 def depth_scaled_std(std: float, n_layers: int) -> float:
