@@ -65,15 +65,9 @@ class DecodeStats:
 
 
 # --- LoGo global-branch projections from the layer's public building blocks ---------------------------------
-def _global_q(attn, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Pre-RoPE global queries: x (n, d), local q (n, H, D) -> (n, H, D)."""
-    if attn.attn_cfg.transform == "full":
-        return attn.wq_g(x).view(q.shape)
-    return attn.transform(0, q)
-
-
 def _global_kv(attn, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Pre-RoPE global keys and values of every token: x (..., d), local k, v (..., H, D)."""
+    """Pre-RoPE global keys and values of every token: x (..., d), local k, v (..., H, D); the key/value half of
+    `LoGoAttention.global_branch_qkv`, for the prefill, which needs no global queries."""
     if attn.attn_cfg.transform == "full":
         return attn.wk_g(x).view(k.shape), attn.wv_g(x).view(v.shape)
     return attn.transform(1, k), attn.transform(2, v)
@@ -151,9 +145,9 @@ def _logo_mix(attn, c: LayerCaches, x, q, k, v, qr, kr, s: StepInputs, counts: t
     z = (p > attn.threshold) & s.active  # (B,) the routing decision, on the device
     c.ring.append(kr, v, s.pos)
     o = attn.norm_local(_attend(qr, c.ring, s, s.active))  # (B, H, D)
-    kg, vg = _global_kv(attn, x, k, v)  # every token: later selected queries see it
-    c.dense.append(apply_rope_rows(kg, s.cos, s.sin), vg, s.pos)
-    qg = apply_rope_rows(_global_q(attn, x, q), s.cos, s.sin)
+    qg, kg, vg = attn.global_branch_qkv(x, q, k, v)  # (B, H, D) pre-RoPE, every row
+    c.dense.append(apply_rope_rows(kg, s.cos, s.sin), vg, s.pos)  # every token: later selected queries see it
+    qg = apply_rope_rows(qg, s.cos, s.sin)
     og = attn.norm_global(_attend(qg, c.dense, s, z))  # unselected rows: no work, zeros
     p_ = p[:, None, None]
     o_l = upcast(o)
