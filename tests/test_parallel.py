@@ -1,7 +1,9 @@
 """Tensor, sequence and context parallelism on CPU (gloo, 2 or 4 processes) == one process.
 
 In process (fp64, one forward/backward): tp=2 and cp=2 give the loss and every gradient of the plain model, for
-full attention and LoGo (documents cut across shard edges), and every tp rank routes the same tokens.
+full attention and LoGo (documents cut across shard edges), and every tp rank routes the same tokens; tp=2 also with
+its blocks compiled (`parallelize`'s order: the plans, then compile), where the eager embedding hands the first
+compiled block a tensor whose collective is still in flight.
 Through train.py (torchrun, slow): per-step losses, gradient norms and thresholds of tp=2, cp=2 and
 dp=2 x cp=2 equal one process; a run saved with dp=2 resumes with tp=2 / cp=2 and continues with the same loss.
 """
@@ -43,18 +45,18 @@ def loss_sum(out, labels):
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-def _worker(rank, port, out_dir, layout, kind):
+def _worker(rank, port, out_dir, layout, kind, compiled):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        from logo.parallel import ParallelDims
-        from logo.parallel.cp import apply_cp, context_parallel, shard_batch
-        from logo.parallel.tp import apply_tp
+        from logo.parallel import ParallelDims, parallelize
+        from logo.parallel.cp import context_parallel, shard_batch
         tp, cp = layout
         dims = ParallelDims.build(2, tp, cp, "cpu")
         model, mb = build(kind), micro_batch()
+        parallelize(model, None, torch.float64, compile_blocks=compiled, tp_mesh=dims.submesh("tp"),
+                    cp_mesh=dims.submesh("cp"))
         if tp > 1:
-            apply_tp(model, dims.submesh("tp"))
             out = model(mb.inputs, cu_seqlens=mb.cu_seqlens)  # logits in fp64 (the fused losses work in fp32)
             loss = loss_sum(out, mb.labels)
             loss.backward()
@@ -62,7 +64,6 @@ def _worker(rank, port, out_dir, layout, kind):
                      for n, p in model.named_parameters()}
         else:
             local, positions, lay = shard_batch(mb, cp, rank, window=4)
-            apply_cp(model, dims.group("cp"))
             with context_parallel(model, lay):
                 out = model(local.inputs, cu_seqlens=local.cu_seqlens, positions=positions)
                 loss = loss_sum(out, local.labels)
@@ -80,9 +81,10 @@ def _worker(rank, port, out_dir, layout, kind):
 
 
 @pytest.mark.parametrize("kind", [pytest.param("full", marks=pytest.mark.slow), "logo"])
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
-def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, kind):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), layout, kind), nprocs=2, join=True)
+@pytest.mark.parametrize("layout,compiled", [((2, 1), False), ((2, 1), True), ((1, 2), False)],
+                         ids=["tp2", "tp2_compiled", "cp2"])
+def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, compiled, kind):
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), layout, kind, compiled), nprocs=2, join=True)
     model, mb = build(kind), micro_batch()
     out = model(mb.inputs, cu_seqlens=mb.cu_seqlens)
     ref = loss_sum(out, mb.labels)

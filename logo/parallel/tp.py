@@ -17,6 +17,7 @@ rank holds are global) is set per rank.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -109,6 +110,14 @@ def _localize_global_heads(attn: IntraLayerHybridAttention, tp: int, tp_rank: in
     attn.n_global = min(max(attn.n_global - tp_rank * h, 0), h)
 
 
+def _wait_for_output(module, inputs, out):
+    """The embedding's sequence-parallel output arrives as an AsyncCollectiveTensor (its reduce-scatter still in
+    flight). Fed as such into a compiled block, AOTAutograd treats it as a tensor subclass and drops its gradient
+    (the embedding's backward then receives none); waiting here hands the block a plain tensor, with the wait
+    itself in the autograd graph (an identity in the backward)."""
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """In place: tensor + sequence parallel plan over tp_mesh (before FSDP, AC and compile)."""
     tp, tp_rank = tp_mesh.size(), tp_mesh.get_local_rank()
@@ -119,6 +128,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         # vocab-split head, logits all-gathered: with tp > 1 the trainer takes the plain loss on the logits
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
     })
+    model.tok_embeddings.register_forward_hook(_wait_for_output)
     for block in model.layers.values():
         attn = block.attention
         parallelize_module(block, tp_mesh, {
