@@ -25,13 +25,19 @@ from logo.model import Transformer
 T = 16  # tokens per row: 4 chunks of 4 under cp=2 (window 4: halo of 3)
 
 
-def build(kind: str) -> Transformer:
+def build(kind: str, bf16: bool = False) -> Transformer:
+    """fp64, or fp32 weights for a bf16 autocast forward (what a GPU runs without FSDP)."""
     torch.manual_seed(0)
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_hidden=64, vocab_size=128,
                       attention=AttentionConfig(kind=kind, window=4, gate_init_std=0.5))
     model = Transformer(cfg)
     model.init_weights()
-    return model.double()
+    return model if bf16 else model.double()
+
+
+def forward(model, mb: Batch, bf16: bool, **kw):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return model(mb.inputs, cu_seqlens=mb.cu_seqlens, **kw)
 
 
 def micro_batch() -> Batch:
@@ -45,7 +51,7 @@ def loss_sum(out, labels):
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-def _worker(rank, port, out_dir, layout, kind, compiled):
+def _worker(rank, port, out_dir, layout, kind, compiled, bf16=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -53,11 +59,11 @@ def _worker(rank, port, out_dir, layout, kind, compiled):
         from logo.parallel.cp import context_parallel, shard_batch
         tp, cp = layout
         dims = ParallelDims.build(2, tp, cp, "cpu")
-        model, mb = build(kind), micro_batch()
-        parallelize(model, None, torch.float64, compile_blocks=compiled, tp_mesh=dims.submesh("tp"),
+        model, mb = build(kind, bf16), micro_batch()
+        parallelize(model, None, torch.float32 if bf16 else torch.float64, compile_blocks=compiled, tp_mesh=dims.submesh("tp"),
                     cp_mesh=dims.submesh("cp"))
         if tp > 1:
-            out = model(mb.inputs, cu_seqlens=mb.cu_seqlens)  # logits in fp64 (the fused losses work in fp32)
+            out = forward(model, mb, bf16)  # logits in fp64 (the fused losses work in fp32)
             loss = loss_sum(out, mb.labels)
             loss.backward()
             grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # the head is not tp-split
@@ -101,6 +107,23 @@ def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, compile
         else:  # cp ranks hold different tokens: their counts add up to one process's
             torch.testing.assert_close(ranks[0]["routing"][:, :2] + ranks[1]["routing"][:, :2], out.routing[:, :2])
         assert 0 < out.routing[:, 0].sum() < out.routing[:, 1].sum()  # routing is really mixed
+
+
+def test_tensor_parallel_under_bf16_autocast_equals_one_process(tmp_path):
+    """The GPU path without FSDP: fp32 weights, bf16 autocast. The LoGo gate then takes its weight gradient from
+    the projections' bf16 copy of x through a custom autograd function whose inputs tensor parallelism makes
+    DTensors; the gradients of every parameter match one process within bf16 rounding."""
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), (2, 1), "logo", False, True), nprocs=2, join=True)
+    model, mb = build("logo", bf16=True), micro_batch()
+    out = forward(model, mb, bf16=True)
+    ref = loss_sum(out, mb.labels)
+    ref.backward()
+    for r in (torch.load(tmp_path / f"rank{r}.pt") for r in range(2)):
+        torch.testing.assert_close(r["loss"], ref.detach(), rtol=2e-2, atol=0)
+        assert torch.equal(r["routing"][:, :2], out.routing[:, :2])
+        for n, p in model.named_parameters():
+            err = (r["grads"][n] - p.grad).norm() / p.grad.norm()
+            assert err < 5e-2, (n, float(err))
 
 
 # ---- through train.py (torchrun) --------------------------------------------------------------------------

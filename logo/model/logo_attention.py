@@ -80,7 +80,8 @@ class Gate(nn.Module):
         with torch.autocast(xf.device.type, enabled=False):
             w = self.weight.to(xf.dtype)
             plain = x_low is None or x_low.dtype == xf.dtype
-            logit = xf @ w if plain else _LogitKeepingNarrowInput.apply(xf, x_low, w)
+            # x_low takes no gradient here (x's flows through xf): detached, it adds no edge to the autograd graph
+            logit = xf @ w if plain else _LogitKeepingNarrowInput.apply(xf, x_low.detach(), w)
             return torch.sigmoid(logit)
 
 
