@@ -117,7 +117,7 @@ def measure(shape: str, kind: str, compile_: bool, ac: bool, loss: str, warmup: 
         torch.cuda.reset_peak_memory_stats()
     def step(i: int):
         out = train_step(model, data, device=device, autocast=autocast, ctrl=ctrl, grad_clip=1.0, world=1,
-                         sharded=False, loss_impl=loss_impl)
+                         data_parallel=False, loss_impl=loss_impl)
         optimizer_step(opt, sched, ctrl, out, monitor, i + 1)
         return out
 

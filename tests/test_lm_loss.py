@@ -151,7 +151,7 @@ def curve(impl, bf16, steps=3):
         micro = [packed_batch(10), packed_batch(11)]  # the same batch each step: the loss must fall
         n = sum(int((m.labels != IGNORE_INDEX).sum()) for m in micro)
         out = train_step(model, StepData(micro, n), device=CPU, autocast=autocast, ctrl=ctrl, grad_clip=1.0,
-                         world=1, sharded=False, loss_impl=impl)
+                         world=1, data_parallel=False, loss_impl=impl)
         optimizer_step(opt, sched, ctrl, out, monitor, step)
         losses.append(read_back(out, monitor)[0])
     return torch.tensor(losses)

@@ -154,7 +154,8 @@ def _assert_same_steps(a, b):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides,nproc", [(["parallel.tp=2"], 2), (["parallel.cp=2"], 2),
-                                             (["parallel.cp=2"], 4)], ids=["tp2", "cp2", "dp2xcp2"])
+                                             (["parallel.cp=2", "parallel.data_parallel=replicate"], 2),
+                                             (["parallel.cp=2"], 4)], ids=["tp2", "cp2", "cp2_replicate", "dp2xcp2"])
 def test_trainer_layouts_equal_one_process(single, tmp_path, overrides, nproc):
     run_train(*ARGS, *overrides, f"run.dir={tmp_path}", nproc=nproc, timeout=900)
     plan = json.loads((tmp_path / "plan.json").read_text())

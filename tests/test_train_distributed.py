@@ -1,6 +1,6 @@
-"""2-process torchrun data-parallel FSDP2 on CPU (gloo) == one process on the same global batch, with the
-default FSDP options and with every other choice of them (reshard, explicit prefetch depth, bf16 reduction,
-synchronous data loading)."""
+"""2-process torchrun data parallelism on CPU (gloo) == one process on the same global batch: FSDP2 with the
+default options and with every other choice of them (reshard, explicit prefetch depth, bf16 reduction,
+synchronous data loading), and replication (DDP), also with gradient accumulation (its no-sync micro-batch)."""
 import json
 
 import pytest
@@ -16,6 +16,8 @@ OPTIONS = {  # name: (overrides, relative tolerance of loss and grad norm vs the
                               "parallel.backward_prefetch=2", "parallel.reduce_dtype=bf16"], 1e-2),
     "always_implicit_sync_data": (["parallel.reshard_after_forward=always", "parallel.forward_prefetch=0",
                                    "parallel.backward_prefetch=0", "data.prefetch=false"], 1e-4),
+    "replicate": (["parallel.data_parallel=replicate"], 1e-4),
+    "replicate_accumulating": (["parallel.data_parallel=replicate", "train.micro_batch=1"], 1e-4),
 }
 
 
@@ -32,13 +34,16 @@ def test_torchrun_fsdp_matches_single_process(single, tmp_path, name):
     overrides, rel = OPTIONS[name]
     dist = tmp_path / "dist"
     p = run_train(*ARGS, *overrides, f"run.dir={dist}", nproc=2, timeout=600)
-    assert "FSDP2 data parallel over 2 ranks" in p.stderr + p.stdout
+    replicated = name.startswith("replicate")
+    wrapper = "DDP data parallel over 2 ranks" if replicated else "FSDP2 data parallel over 2 ranks"
+    assert wrapper in p.stderr + p.stdout
 
     plan_s = json.loads((single / "plan.json").read_text())
     plan_d = json.loads((dist / "plan.json").read_text())
     # the same global batch, split differently: 2 micro-batches x 1 rank vs 1 micro-batch x 2 ranks
     assert (plan_s["world_size"], plan_s["micro_batch"], plan_s["grad_accum"]) == (1, 2, 2)
-    assert (plan_d["world_size"], plan_d["micro_batch"], plan_d["grad_accum"]) == (2, 2, 1)
+    assert (plan_d["world_size"], plan_d["micro_batch"] * plan_d["grad_accum"]) == (2, 2)
+    assert plan_d["data_parallel"] == ("replicate" if replicated else "shard")
     assert plan_s["steps"] == plan_d["steps"] and plan_s["tokens_total"] == plan_d["tokens_total"]
 
     a, b = read_metrics(single), read_metrics(dist)

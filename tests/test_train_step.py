@@ -46,7 +46,7 @@ def test_non_finite_step_is_skipped_on_the_device_and_named():
     states, first_bad = [], None
     for step in range(1, 6):
         out = train_step(model, StepData([batch(step)], 2 * T), device=CPU, autocast=nullcontext(), ctrl=ctrl,
-                         grad_clip=1.0, world=1, sharded=False)
+                         grad_clip=1.0, world=1, data_parallel=False)
         optimizer_step(opt, sched, ctrl, out, monitor, step)
         states.append(snapshot(model, opt))
         loss, gnorm, diverged = read_back(out, monitor)
@@ -77,7 +77,7 @@ def test_micro_batch_split_gives_the_same_step():
     for micro in ([rows], halves):
         model, opt, sched, ctrl, monitor = build(lr=1e-3)
         out = train_step(model, StepData(micro, 4 * T), device=CPU, autocast=nullcontext(), ctrl=ctrl, grad_clip=1.0,
-                         world=1, sharded=False)
+                         world=1, data_parallel=False)
         optimizer_step(opt, sched, ctrl, out, monitor, 1)
         results.append((read_back(out, monitor), [p.detach().clone() for p in model.parameters()],
                         ctrl.thresholds()))
@@ -125,7 +125,7 @@ def test_document_offsets_are_checked_on_the_host_only():
     with pytest.raises(ValueError, match=rf"cu_seqlens must be increasing offsets over the flattened 2x{T} batch"
                                          rf".*got \[0, 9, 5, {T}, {2 * T}\]"):
         train_step(NeverCalled(), StepData([bad], 2 * T), device=CPU, autocast=nullcontext(), ctrl=None,
-                   grad_clip=1.0, world=1, sharded=False)
+                   grad_clip=1.0, world=1, data_parallel=False)
     seqs = PackedSeqs.build(2, T, "meta", torch.tensor([0, 9, T, 2 * T], dtype=torch.int32, device="meta"))
     assert seqs.has_documents and seqs.pos.shape == (2 * T,)
     with pytest.raises(ValueError, match="every row boundary"):  # on the CPU the model checks them itself
@@ -151,7 +151,7 @@ def test_step_makes_no_host_sync_on_cuda(kind, documents):
         torch.cuda.set_sync_debug_mode("default" if step == 1 else "error")
         try:
             out = train_step(model, data, device=dev, autocast=torch.autocast("cuda", dtype=torch.bfloat16),
-                             ctrl=ctrl, grad_clip=1.0, world=1, sharded=False)
+                             ctrl=ctrl, grad_clip=1.0, world=1, data_parallel=False)
             optimizer_step(opt, sched, ctrl, out, monitor, step)
         finally:
             torch.cuda.set_sync_debug_mode("default")

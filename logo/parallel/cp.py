@@ -63,12 +63,14 @@ class CPLayout:
     piece_offset: torch.Tensor  # (P,) int32 position of the piece's first token inside its document
     piece_pos: torch.Tensor  # (N_local,) int32 position of each local row inside its piece
     gather_index: torch.Tensor  # (B*T,) int64: global row g = cat(all ranks' local rows)[gather_index[g]]
+    scatter_index: torch.Tensor  # (B*T,) int64: its inverse (row j of that concatenation is global row scatter_index[j])
     cu_halo: torch.Tensor  # (.,) int32 offsets over the (B, 2, window-1+c) [halo, chunk] rows
 
     def to(self, device) -> CPLayout:
         return CPLayout(self.cp, self.rows, self.chunk, self.window,
                         *(t.to(device, non_blocking=True) for t in (self.cu_global, self.piece_doc, self.piece_offset,
-                                                                    self.piece_pos, self.gather_index, self.cu_halo)))
+                                                                    self.piece_pos, self.gather_index,
+                                                                    self.scatter_index, self.cu_halo)))
 
 
 def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torch.Tensor, CPLayout]:
@@ -102,8 +104,11 @@ def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torc
     for s in range(cp):  # global row of each of rank s's local rows
         g = (torch.arange(B)[:, None] * T + local_columns(T, cp, s)[None, :]).flatten()
         gather[g] = s * n_local + torch.arange(n_local)
+    scatter = torch.empty_like(gather)
+    scatter[gather] = torch.arange(B * T)
     layout = CPLayout(cp, B, c, window, cu_g.to(torch.int32), torch.cat(docs), torch.cat(offsets).to(torch.int32),
-                      positions_in_sequence(cu_local, n_local), gather, torch.tensor(halo_cuts, dtype=torch.int32))
+                      positions_in_sequence(cu_local, n_local), gather, scatter,
+                      torch.tensor(halo_cuts, dtype=torch.int32))
     return local, cols, layout
 
 
@@ -111,6 +116,21 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(n, ...) per rank -> (cp * n, ...) in rank order; backward: reduce-scatter of the gradient (gloo too).
     (`torch.distributed.nn.functional.all_gather`'s gloo backward fails on a subgroup.)"""
     return funcol.wait_tensor(funcol.all_gather_tensor_autograd(x.contiguous(), 0, group))
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[index] for a permutation `index` of x's rows, whose backward gathers the gradient with the inverse
+    permutation (autograd's own backward of indexing accumulates into zeros with atomic adds)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 class ContextParallelOps(dispatch.AttentionOps):
@@ -126,7 +146,8 @@ class ContextParallelOps(dispatch.AttentionOps):
 
     def _gather_all(self, x: torch.Tensor) -> torch.Tensor:
         """Local rows (N_local, H, D) -> every row of the micro-batch in sequence order (B*T, H, D)."""
-        return _all_gather(x, self.group)[self.layout.gather_index]
+        L = self.layout
+        return _PermuteRows.apply(_all_gather(x, self.group), L.gather_index, L.scatter_index)
 
     def query_sparse_attention(self, q, k, v, q_pos, rows, cu_q, cu_k, scale: Optional[float] = None,
                                backend: str = "auto"):

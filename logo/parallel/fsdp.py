@@ -2,12 +2,19 @@
 
 The model module knows nothing of what happens here. Order (as in torchtitan): tensor/sequence parallelism
 (`logo/parallel/tp.py`), context parallelism's attention ops (`logo/parallel/cp.py`), activation checkpointing
-(torchtitan's `apply_ac`), torch.compile of each (checkpointed) block, then FSDP2 data parallelism: `fully_shard`
-on the embedding, on every block, on [final norm, output head] and on the root, with a bf16/fp32
-`MixedPrecisionPolicy`. FSDP averages gradients over the data-parallel ranks (its default: a custom divide
-factor needs ReduceOp.PREMUL_SUM, which gloo lacks); the trainer scales each rank's loss by the number of
-ranks and divides it by the global number of target tokens, so a step's gradient is the token mean over the
-global batch for any number of ranks (and equal to a single-process run of the same batch).
+(torchtitan's `apply_ac`), torch.compile of each (checkpointed) block, then data parallelism over the dp_shard x cp
+ranks, one of:
+- replicate (DDP, `torch.distributed._composable.replicate`): every rank holds the whole fp32 model and runs it
+  under bf16 autocast exactly as one GPU does; gradients are all-reduced in buckets while the backward runs. No
+  per-module hooks in the forward and no weight traffic: the fastest choice whenever the whole training state fits;
+- shard (FSDP2): `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root,
+  with a bf16/fp32 `MixedPrecisionPolicy`: weights, gradients and optimizer states sharded, each unit's bf16
+  weights all-gathered before use.
+Both average gradients over the data-parallel ranks (FSDP's default: a custom divide factor needs
+ReduceOp.PREMUL_SUM, which gloo lacks); the trainer scales each rank's loss by the number of ranks and divides it
+by the global number of target tokens, so a step's gradient is the token mean over the global batch for any number
+of ranks (and equal to a single-process run of the same batch). Within a step, gradients are reduced (and FSDP's
+gathered weights freed) only after the last micro-batch (`sync_after`).
 
 Only APIs present in torch 2.11 .. 2.13 are used (`torch.distributed.fsdp.fully_shard`, `init_device_mesh`).
 """
@@ -19,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from logo.parallel.tp import apply_tp
 from logo.parallel.cp import apply_cp
 
@@ -60,6 +68,31 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
             unit.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + backward_prefetch])
 
 
+DDP_BUCKET_MB = 100  # gradient all-reduce buckets: few enough launches, small enough to overlap the backward
+
+
+def apply_ddp(model: torch.nn.Module, dp_mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """Replicated data parallelism over dp_mesh (composable DDP: parameter names unchanged). reduce_dtype bf16:
+    gradients all-reduced in bf16 (half the bytes) through DDP's compression hook."""
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    device = next(model.parameters()).device
+    on_gpu = {"device_id": device} if device.type == "cuda" else {}
+    replicate(model, process_group=dp_mesh.get_group(), bucket_cap_mb=DDP_BUCKET_MB, gradient_as_bucket_view=True,
+              broadcast_buffers=False, **on_gpu)
+    if reduce_dtype == torch.bfloat16:
+        model.register_comm_hook(dp_mesh.get_group(), default_hooks.bf16_compress_hook)
+
+
+def sync_after(model: torch.nn.Module, last: bool) -> None:
+    """Before each micro-batch of a step: gradients are reduced over the data-parallel ranks only in the `last`
+    one's backward (the others accumulate locally), and FSDP keeps its gathered weights from one micro-batch's
+    backward to the next one's forward (one all-gather per unit and step saved), freeing them after the last."""
+    model.set_requires_gradient_sync(last)
+    if isinstance(model, FSDPModule):
+        model.set_reshard_after_backward(last)
+
+
 # Inductor options of the compiled blocks, on top of those of train.compile_mode. realize_reads_threshold: Inductor
 # stores a pointwise result that several kernels read once it reads more than this many buffers (default 4), and
 # recomputes it in each reader otherwise. The LoGo layer's gate adds its rank-1 gradient (dlogit w_g^T) to the sum of
@@ -80,10 +113,13 @@ def block_compile_options(compile_mode: str) -> dict:
 def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile_blocks: bool = False,
                 fsdp: Optional[dict] = None, tp_mesh: Optional[DeviceMesh] = None,
-                compile_mode: str = "default", cp_mesh: Optional[DeviceMesh] = None) -> torch.nn.Module:
+                compile_mode: str = "default", cp_mesh: Optional[DeviceMesh] = None,
+                data_parallel: str = "shard") -> torch.nn.Module:
     """In place: tensor parallelism over tp_mesh, context parallelism's attention ops over cp_mesh, activation
-    checkpointing, compile, then FSDP2 over dp_mesh (the flattened dp_shard x cp mesh), each when there is one.
-    `fsdp`: keyword options of `apply_fsdp` (reduce_dtype, reshard_after_forward, forward/backward_prefetch).
+    checkpointing, compile, then data parallelism over dp_mesh (the flattened dp_shard x cp mesh), each when there
+    is one. data_parallel: "shard" (FSDP2, weights in param_dtype) or "replicate" (DDP; the caller runs the forward
+    under autocast, as on one GPU). `fsdp`: keyword options of `apply_fsdp` (reduce_dtype, reshard_after_forward,
+    forward/backward_prefetch); replicate takes its reduce_dtype.
     compile_mode: torch.compile's mode for the blocks (train.compile_mode; reduce-overhead replays them as CUDA graphs, one device only)."""
     if compile_blocks and compile_mode == "reduce-overhead" and (dp_mesh is not None or tp_mesh is not None):
         raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device only: FSDP and tensor "
@@ -106,7 +142,13 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
         options = block_compile_options(compile_mode)
         for block in model.layers.values():
             block.compile(options=options)
-    if dp_mesh is not None:
+    if dp_mesh is not None and data_parallel == "replicate":
+        reduce = (fsdp or {}).get("reduce_dtype", torch.float32)
+        apply_ddp(model, dp_mesh, reduce)
+        if dist.get_rank() == 0:
+            log.info("DDP data parallel over %d ranks (whole weights, gradients all-reduced in %s)", dp_mesh.size(),
+                     str(reduce).removeprefix("torch."))
+    elif dp_mesh is not None:
         opts = dict(fsdp or {})
         apply_fsdp(model, dp_mesh, param_dtype, **opts)
         if dist.get_rank() == 0:

@@ -69,26 +69,44 @@ def _layer_bytes_per_token(kind: str, d: int, h: int, tp: int, cp: int, rho: flo
     return full_attn + ffn + gathered_kv  # full, and intra-layer (global heads gather all of K/V)
 
 
-def estimate(cfg, seq_len: int, micro_batch: int, dp: int, cp: int, tp: int) -> MemoryEstimate:
-    """cfg: a ModelConfig (validated)."""
+def estimate(cfg, seq_len: int, micro_batch: int, dp: int, cp: int, tp: int,
+             replicated: bool = False) -> MemoryEstimate:
+    """cfg: a ModelConfig (validated). replicated: the data-parallel ranks each hold the whole training state
+    (parallel.data_parallel=replicate: nothing sharded over dp x cp, bf16 autocast copies instead of FSDP's units)."""
     import torch
     with torch.device("meta"):
         model = Transformer(cfg)
     total, _ = param_counts(model)
     block = sum(p.numel() for p in model.layers["0"].parameters())
     head = model.output.weight.numel()
-    shards = dp * cp * tp
+    shards = tp if replicated else dp * cp * tp
     d, h, V = cfg.dim, cfg.hidden_dim, cfg.padded_vocab_size
     n = micro_batch * seq_len // cp
     kinds = cfg.attention.layer_kinds(cfg.n_layers)
     rho = cfg.attention.rho
     per_layer = [_layer_bytes_per_token(k, d, h, tp, cp, rho) * n for k in kinds]
-    fsdp = (2 * 2 * block + 2 * head) / tp + 4 * block / tp if dp * cp > 1 else 2 * total / tp  # bf16 autocast copies
+    sharded = dp * cp > 1 and not replicated
+    fsdp = (2 * 2 * block + 2 * head) / tp + 4 * block / tp if sharded else 2 * total / tp  # bf16 autocast copies
     return MemoryEstimate(
         params=4 * total / shards / GIB, grads=4 * total / shards / GIB, optimizer=8 * total / shards / GIB,
         fsdp_buffers=fsdp / GIB, activations=sum(per_layer) / GIB,
         activations_ac=(cfg.n_layers * 2 * d / tp * n + max(per_layer)) / GIB,
         logits=10 * V * n / GIB)
+
+
+def data_parallel_mode(cfg, seq_len: int, micro_batch: int, dp: int, cp: int, tp: int, choice: str,
+                       gpu_gib: float | None, ac: bool) -> str:
+    """How the dp x cp ranks hold the model (parallel.data_parallel resolved): "none" with a single such rank,
+    else `choice`, where "auto" is "replicate" when tp == 1 and the replicated state fits a GPU of `gpu_gib`
+    (`gpu_gib` None, no GPU to size it: "shard"), else "shard"."""
+    if dp * cp == 1:
+        return "none"
+    if choice != "auto":
+        return choice
+    if tp > 1 or gpu_gib is None:
+        return "shard"
+    fits = estimate(cfg, seq_len, micro_batch, dp, cp, tp, replicated=True).total(ac) <= 0.9 * gpu_gib
+    return "replicate" if fits else "shard"
 
 
 def fit_hint(cfg, seq_len: int, micro_batch: int, dp: int, cp: int, tp: int, gb: int = 80) -> str:

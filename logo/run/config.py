@@ -114,7 +114,12 @@ class ParallelConfig:
     # Mesh (dp_shard, cp, tp): tensor/sequence-parallel and context-parallel ranks; data parallel takes the rest.
     tp: int = 1
     cp: int = 1
-    # FSDP2 over dp_shard x cp (used with more than one such rank; see logo/parallel/fsdp.py::apply_fsdp)
+    # How the data-parallel ranks (dp_shard x cp) hold the model (logo/parallel/fsdp.py): replicate (DDP: whole
+    # fp32 weights, gradients all-reduced in buckets during the backward, the same arithmetic as one GPU), shard
+    # (FSDP2: weights, gradients and optimizer states sharded, bf16 weights all-gathered per unit), or auto: replicate
+    # when tp=1 and the unsharded training state fits the GPU (`logo.parallel.memory`), else shard.
+    data_parallel: str = "auto"
+    # FSDP2 (data_parallel=shard)
     reshard_after_forward: str = "auto"  # auto: every unit but the last block and norm+head | always | never
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 | bf16 (half the bytes, bf16-rounded sums)
     forward_prefetch: int = 1  # units each unit all-gathers ahead in forward, issued explicitly (0: implicit only)
@@ -251,6 +256,11 @@ def validate(c: Config) -> None:
         _fail("parallel.backend", c.parallel.backend, "choose auto, nccl or gloo")
     if c.parallel.device not in ("auto", "cpu", "cuda"):
         _fail("parallel.device", c.parallel.device, "choose auto, cpu or cuda")
+    if c.parallel.data_parallel not in ("auto", "replicate", "shard"):
+        _fail("parallel.data_parallel", c.parallel.data_parallel, "choose auto, replicate or shard")
+    if c.parallel.data_parallel == "replicate" and c.parallel.tp > 1:
+        _fail("parallel.data_parallel", c.parallel.data_parallel, f"replication composes with context parallelism "
+              f"only; with parallel.tp={c.parallel.tp} use shard (or auto)")
     if c.parallel.reshard_after_forward not in ("auto", "always", "never"):
         _fail("parallel.reshard_after_forward", c.parallel.reshard_after_forward, "choose auto, always or never")
     for name in ("tp", "cp"):

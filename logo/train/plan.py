@@ -13,9 +13,19 @@ from logo.config import ConfigError, ModelConfig
 from logo.kernels import dispatch
 from logo.model import Transformer
 from logo.model.flops import attention_budget, attention_flops_per_token, param_counts, train_flops_per_token
+from logo.parallel.memory import data_parallel_mode
 from logo.parallel.mesh import ParallelDims
 from logo.run.config import Config
 from logo.run.hf import has_thresholds
+
+
+DATA_PARALLEL = {"none": "none (one rank per data shard and context)", "replicate": "replicate (DDP, whole weights)",
+                 "shard": "shard (FSDP2)"}
+
+
+def gpu_memory_gib(device: torch.device) -> float | None:
+    """The GPU's memory in GiB, None off CUDA."""
+    return torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
 
 
 @dataclass
@@ -26,6 +36,7 @@ class Plan:
     dp: int  # data-parallel shards (ranks reading different sequences) = world_size / (tp x cp)
     tp: int
     cp: int
+    data_parallel: str  # none | replicate (DDP) | shard (FSDP2): parallel.data_parallel resolved
     params_total: int
     params_non_embedding: int
     seq_len: int
@@ -51,6 +62,7 @@ class Plan:
     def table(self) -> str:
         rows = [("run", self.run_name), ("run dir", self.run_dir), ("world size", self.world_size),
                 ("mesh (dp_shard, cp, tp)", f"({self.dp}, {self.cp}, {self.tp})"),
+                ("data parallel", DATA_PARALLEL[self.data_parallel]),
                 ("params (total)", f"{self.params_total:,}"),
                 ("params (non-embedding)", f"{self.params_non_embedding:,}"),
                 ("sequence length", self.seq_len), ("tokens (total)", f"{self.tokens_total:,}"),
@@ -133,9 +145,13 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
     init = cfg.checkpoint.init_from
     keeps_thresholds = bool(init) and (not init.startswith("hf:") or has_thresholds(init))
     pmask_steps = int(round(a.pmask_fraction * steps)) if a.pmask and not keeps_thresholds else 0
+    device = device or default_device(cfg)
+    data_parallel = data_parallel_mode(cfg.model, s.seq_len, micro, dims.dp, dims.cp, dims.tp,
+                                       cfg.parallel.data_parallel, gpu_memory_gib(device), t.activation_checkpointing)
     name = run_name(cfg, attention_name or cfg.model.attention.kind)
     run_dir = cfg.run.dir or str(Path("runs") / name)
     return Plan(run_name=name, run_dir=run_dir, world_size=world_size, dp=dims.dp, tp=dims.tp, cp=dims.cp,
+                data_parallel=data_parallel,
                 params_total=total, params_non_embedding=non_emb, seq_len=s.seq_len, tokens_total=tokens,
                 global_batch_tokens=s.global_batch_tokens, global_batch=global_batch, micro_batch=micro,
                 grad_accum=per_rank // micro, steps=steps, warmup_steps=int(round(s.warmup_fraction * steps)),
@@ -143,4 +159,4 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
                 lr_min=s.lr_min, attention_budget=attention_budget(cfg.model),
                 attention_flops_per_token=attention_flops_per_token(cfg.model, s.seq_len),
                 train_flops_per_token=train_flops_per_token(cfg.model, s.seq_len, non_emb),
-                attention_kernels=attention_kernels(cfg, device or default_device(cfg)))
+                attention_kernels=attention_kernels(cfg, device))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from data.loader import Batch, StepData
 from logo.model.layers import check_cu_seqlens
 from logo.model.lm_head import fused_lm_loss_sum, lm_loss_sum
+from logo.parallel import sync_after
 from logo.parallel.cp import context_parallel, shard_batch
 
 
@@ -82,13 +83,15 @@ def _context_parallel(model, cpu_mb: Batch, dims, window: int, device: torch.dev
 
 
 def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, autocast, ctrl, grad_clip: float,
-               sharded: bool, world: int = 1, dims=None, window: int = 1, loss_impl: str = "auto") -> StepOutput:
+               data_parallel: bool, world: int = 1, dims=None, window: int = 1,
+               loss_impl: str = "auto") -> StepOutput:
     """Forward and backward of this rank's micro-batches, gradient clipping; no host sync.
 
-    The gradient is the token mean over the global batch for any split: FSDP averages gradients over its
-    ranks (dp_shard x cp), so each rank's loss is scaled by their number and divided by the global target
-    count, which the loader knows on the host (`data.target_tokens`); the aux loss is the mean over all
-    micro-batches (and context shards). `dims` (a `logo.parallel.ParallelDims`) replaces `world` when given:
+    The gradient is the token mean over the global batch for any split: with `data_parallel` (the model wrapped
+    by FSDP or DDP, `logo.parallel.parallelize`) gradients are averaged over the ranks (dp_shard x cp), so each
+    rank's loss is scaled by their number and divided by the global target count, which the loader knows on the
+    host (`data.target_tokens`); the aux loss is the mean over all micro-batches (and context shards). `dims` (a
+    `logo.parallel.ParallelDims`) replaces `world` when given:
     tensor-parallel ranks hold the same tokens and count once; with cp > 1 each micro-batch is split along
     time (`window`: the model's sliding window, for the halo).
     """
@@ -96,7 +99,7 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
     micro = data.micro_batches
     ranks = dims.dp * dims.cp if dims is not None else world
     group = dims.dim("dp_shard_cp").get_group() if dims is not None and dims.mesh is not None else None
-    dp = ranks if sharded else 1
+    dp = ranks if data_parallel else 1
     n_micro = len(micro) * ranks
     loss_sum = torch.zeros((), device=device)
     for i, cpu_mb in enumerate(micro):
@@ -105,8 +108,8 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
         cpu_mb, positions, cp_ctx = _context_parallel(model, cpu_mb, dims, window, device)
         with phase("h2d"):
             mb = cpu_mb.to(device)  # non-blocking; a true async copy from the loader's pinned memory
-        if sharded:
-            model.set_requires_gradient_sync(i == len(micro) - 1)
+        if data_parallel:
+            sync_after(model, last=i == len(micro) - 1)
         with cp_ctx:  # forward and backward (activation checkpointing recomputes the forward in backward)
             with phase("forward"):
                 ce, out = micro_batch_loss(model, mb, autocast, loss_impl, positions)

@@ -60,6 +60,7 @@ class _StopRequest:
 
     def __init__(self):
         self.signal = None
+        self._pending = None  # (work, flags) of the all-reduce started at the last check
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
 
@@ -68,13 +69,26 @@ class _StopRequest:
 
     def requested(self, group, save_due: bool = False) -> tuple[bool, bool]:
         """(stop, save_due): stop is True on every rank once any rank got a signal; save_due is rank 0's
-        time-based checkpoint decision, the same on every rank. Distributed: one all-reduce of CPU flags over a
-        gloo group: host-only, it never waits for the GPU (a device flag would need a host sync per step)."""
+        time-based checkpoint decision, the same on every rank. Distributed: an all-reduce of CPU flags over a
+        gloo group, host-only (a device flag would need a host sync per step), started at one step and read at the
+        next, so that no rank's host waits for the others' at every step: every rank sees the flags one step
+        late, all at the same step."""
         if group is None:
             return self.signal is not None, save_due
+        agreed = (False, False)
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = (bool(flag[0]), bool(flag[1]))
         flag = torch.tensor([1 if self.signal else 0, int(save_due and dist.get_rank() == 0)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag[0]), bool(flag[1])
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag)
+        return agreed
+
+    def close(self) -> None:
+        """Wait for the flags' all-reduce in flight (every rank started it)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
 
 def _host_group(world: int):
@@ -298,7 +312,7 @@ class _Built:
     watch: BudgetWatch
     state: TrainState
     dims: ParallelDims
-    sharded: bool  # FSDP: the model's parameters are sharded over the data-parallel mesh
+    data_parallel: bool  # FSDP or DDP averages the gradients over the data-parallel mesh
     autocast: object  # bf16 autocast without FSDP (FSDP casts itself), else a null context
     host_group: object  # gloo group for host-side flags, None with one process
 
@@ -386,8 +400,10 @@ def _build(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     dp_mesh = dims.submesh("dp_shard_cp")
     parallelize(model, dp_mesh, torch.bfloat16 if bf16 else torch.float32,
                 cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg),
-                tp_mesh=dims.submesh("tp"), cp_mesh=dims.submesh("cp"), compile_mode=cfg.train.compile_mode)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and dp_mesh is None else nullcontext())
+                tp_mesh=dims.submesh("tp"), cp_mesh=dims.submesh("cp"), compile_mode=cfg.train.compile_mode,
+                data_parallel=plan.data_parallel)
+    sharded = plan.data_parallel == "shard"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 and not sharded else nullcontext()
 
     opt = make_optimizer(model, plan.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, cfg.train.weight_decay)
     sched = LambdaLR(opt, partial(lr_factor, plan=plan))
@@ -451,7 +467,7 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
             with phase("data"):
                 data = b.loader.next_step()
             out = train_step(b.model, data, device=device, autocast=b.autocast, ctrl=b.ctrl,
-                             grad_clip=cfg.train.grad_clip, sharded=b.sharded, dims=b.dims,
+                             grad_clip=cfg.train.grad_clip, data_parallel=b.data_parallel, dims=b.dims,
                              window=cfg.model.attention.window, loss_impl=loss_impl)
             lr = b.opt.param_groups[0]["lr"]  # the learning rate of this step
             with phase("optimizer"):
@@ -507,6 +523,8 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
                                 stop.signal or "a stop signal on another rank", step)
                 break
     finally:
+        if sys.exc_info()[0] is None:
+            stop.close()
         _close_checkpointer(ckpt, failing=sys.exc_info()[0] is not None)
         gc.enable()
         b.loader.close()
