@@ -84,6 +84,8 @@ def run_case(attention: str, backend: str, compiled: bool, ac: bool, tp_mesh, de
     g_tp = grads(model)
     missing = sorted(set(g_one) - set(g_tp))
     errs = {n: float((g_tp[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in g_one.items() if n in g_tp}
+    gates = {n: e for n, e in errs.items() if n.endswith("gate.weight")}
+    errs = {n: e for n, e in errs.items() if n not in gates}
     worst = max(errs, key=errs.get)
     same_ranks = True
     if routing is not None:
@@ -91,6 +93,7 @@ def run_case(attention: str, backend: str, compiled: bool, ac: bool, tp_mesh, de
         dist.all_gather(gathered, routing.contiguous())
         same_ranks = all(torch.equal(gathered[0][:, :2], r[:, :2]) for r in gathered)
     out = {"loss_one": float(loss_one), "loss_tp": float(loss_tp), "grad_err_max": errs[worst], "worst": worst,
+           "gate_grad_err_max": max(gates.values(), default=0.0),
            "missing_grads": missing, "routing_same_on_tp_ranks": same_ranks}
     if routing is not None:  # selected tokens per layer, tp against one GPU
         out["selected_tp"] = routing[:, 0].tolist()

@@ -24,9 +24,11 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.slow]
 ATTENTION = ["full", "local", "inter_layer", "intra_layer", "inter_layer_logo", "logo", "logo_shared_params",
              "logo_full_params", "logo_so", "logo_no_contextnorm", "logo_so_no_contextnorm", "logo_additive",
              "logo_aux_loss", "logo_no_pmask"]
-# bf16 autocast on both sides; the tp side sums each projection over two head/column halves: relative gradient
-# errors of a few percent on the smallest gradients (ContextNorm weights), far below on the rest
-LOSS_RTOL, GRAD_RTOL = 2e-3, 0.1
+# bf16 autocast on both sides; the tp side sums each projection over two head/column halves, so a gate near its
+# threshold can route a token differently (seen: up to 4 of 2048 per layer). Relative gradient errors: a few percent
+# at most on every parameter but the gates; a gate's gradient flows only through its selected tokens, so one token
+# routed otherwise moves it by up to ~25% (seen 0.23 with 1 of 945 tokens flipped), and by a few percent otherwise.
+LOSS_RTOL, GRAD_RTOL, GATE_RTOL, GATE_RTOL_ROUTED_OTHERWISE, MAX_FLIPPED = 2e-3, 0.1, 0.05, 0.35, 8
 
 
 def gpus(n: int):
@@ -51,6 +53,10 @@ def check_tp(cases: list[dict], expected: int) -> None:
         assert abs(c["loss_tp"] - c["loss_one"]) <= LOSS_RTOL * c["loss_one"], what
         assert c["grad_err_max"] <= GRAD_RTOL, (what, c["worst"], c["grad_err_max"])
         assert not c["missing_grads"] and c["routing_same_on_tp_ranks"], what
+        flipped = [abs(a - b) for a, b in zip(c.get("selected_tp", []), c.get("selected_one", []))]
+        assert max(flipped, default=0) <= MAX_FLIPPED, (what, flipped)
+        gate_rtol = GATE_RTOL_ROUTED_OTHERWISE if any(flipped) else GATE_RTOL
+        assert c["gate_grad_err_max"] <= gate_rtol, (what, c["gate_grad_err_max"], flipped)
 
 
 @gpus(2)
