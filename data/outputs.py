@@ -157,11 +157,15 @@ def apply_umask(path: Path) -> None:
 def folder_swapped_in(out: Path, kind: OutputKind, sources: Iterable[Path] = ()) -> Iterator[Path]:
     """Yields a new temporary folder next to `out` to write the output into; when the block ends it gets the
     umask's permissions and replaces `out` (checked again with `check_out` first: only an earlier output of
-    `kind` is replaced). On any error or Ctrl-C the temporary folder is removed and `out` is left as it was."""
+    `kind` is replaced). On any error or Ctrl-C the temporary folder is removed and `out` is left as it was; an
+    error of the file system (read-only, full, ...) becomes an OutputError naming `out`."""
     out = Path(out)
     sources = list(sources)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise OutputError(f"--out {out} could not be written: {one_line(e)}") from None
     try:
         yield tmp
         apply_umask(tmp)
@@ -176,6 +180,8 @@ def folder_swapped_in(out: Path, kind: OutputKind, sources: Iterable[Path] = ())
                 shutil.rmtree(old)
             else:
                 os.replace(tmp, out)  # onto nothing or an empty folder
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise OutputError(f"--out {out} could not be written: {one_line(e)}") from None
         raise

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from data.outputs import OutputError, OutputKind, check_out, folder_swapped_in, one_line
+from data.outputs import OutputError, OutputKind, check_out, folder_swapped_in
 from logo.config import ConfigError
 from logo.run.hf_layout import to_hf
 from logo.export.tokenizer import save_tokenizer
@@ -161,6 +161,4 @@ def export(path, out, dtype: str = "bf16", force: bool = False, device: str = "c
             write_folder(loaded, tmp, dtype, progress)
     except OutputError as e:
         raise ExportError(str(e)) from None
-    except OSError as e:
-        raise ExportError(f"could not write the export {out}: {one_line(e)}") from None
     return out
