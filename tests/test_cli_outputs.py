@@ -103,6 +103,8 @@ def test_export_force_replaces_an_earlier_export_and_nothing_beside_it(runs, tmp
     line = one_error_line(*export([runs / "runs" / "b", "--out", out], capsys))
     assert "holds an earlier export; pass --force to replace it" in line
     assert export_main([str(runs / "runs" / "b"), "--out", str(out), "--dtype", "bf16", "--force"]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.startswith(f"exported {runs / 'runs' / 'b'} -> {out}: ") and stdout.count("\n") == 1, stdout
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["beside.txt", "hf"]  # no temporary folder left
     assert (tmp_path / "beside.txt").read_text() == "keep me"
