@@ -39,6 +39,20 @@ def atomic_write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from a file; DataError in one line naming it when it cannot be read, is not UTF-8, is not
+    JSON or not an object."""
+    try:
+        m = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{what} {path} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(m, dict):
+        raise DataError(f"{path} is not a JSON object: not a logo {what}")
+    return m
+
+
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -54,10 +68,7 @@ def read_manifest(root: Path) -> dict:
     if not path.exists():
         raise DataError(f"{path} is missing: {root} is not a prepared corpus, or its preparation did not finish "
                         f"(re-run `python -m data.prepare ... --out {root}`)")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e})") from None
+    m = read_json(path, "manifest.json")
     for key in ("format", "tokenizer", "splits", "num_tokens", "num_documents"):
         if key not in m:
             raise DataError(f"{path} has no {key!r} field: not a logo corpus manifest")

@@ -8,17 +8,19 @@ Documents are tokenized in parallel worker processes (order preserved), each fol
 into shards of --shard-tokens tokens: memory stays bounded whatever the corpus size. Every document goes to
 the validation split when its index is a multiple of round(1 / val_fraction), else to train. A shard becomes
 visible (renamed from .tmp) only once complete and fsynced; `progress.json` records finished shards, so an
-interrupted run re-run with the same arguments continues after the last finished shard; with other arguments
-it refuses (or restarts with --overwrite). The manifest is written last.
+interrupted run (Ctrl-C: one line, exit code 130, the unfinished shards removed) re-run with the same arguments
+continues after the last finished shard; with other arguments it refuses (or restarts with --overwrite). The
+manifest is written last. --out must be new, empty or a corpus of this module's (nothing else in it) and hold
+none of the inputs (`data.outputs`); --overwrite deletes only this module's own files there.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -29,17 +31,28 @@ from typing import Optional
 
 import numpy as np
 
-from data.format import FORMAT_VERSION, INDEX_DTYPE, TOKEN_DTYPE, DataError, atomic_write_json, shard_name
+from data.format import (FORMAT_VERSION, INDEX_DTYPE, TOKEN_DTYPE, DataError, atomic_write_json, read_json,
+                         shard_name)
+from data.outputs import INTERRUPTED, OutputError, OutputKind, check_out, one_line
 from data.sources import expand_inputs, iter_files, iter_hf
 from data.tokenizer import canonical_name, load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("logo.data")
 _ENC = None
+SHARD_FILES = tuple(f"{split}_[0-9][0-9][0-9][0-9][0-9].{ext}" for split in ("train", "val")
+                    for ext in ("bin", "idx", "bin.tmp", "idx.tmp"))
+CORPUS = OutputKind("a prepared corpus", ("manifest.json", "progress.json"),
+                    ("manifest.json", "manifest.json.tmp", "progress.json", "progress.json.tmp", *SHARD_FILES))
 
 
 def _init_worker(name: str):
     global _ENC
     _ENC = load_tokenizer(name)
+
+
+def _init_pool_worker(name: str):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent alone handles it
+    _init_worker(name)
 
 
 def _tokenize(docs: list[str]) -> list[np.ndarray]:
@@ -101,6 +114,11 @@ class ShardWriter:
             self._open()
         return shard
 
+    def discard(self):
+        """Close and remove the shard being written (an interrupted or failed preparation)."""
+        self.f.close()
+        self.bin_tmp.unlink(missing_ok=True)
+
 
 def _our_files(out: Path, suffix: str = "*") -> list[Path]:
     """Shard files (and their .tmp) this module writes in `out`; nothing else there is touched."""
@@ -136,20 +154,26 @@ def _bounded_ordered_map(pool, fn, items: Iterable, max_pending: int) -> Iterato
 
 def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = "cl100k_base",
             workers: int = 1, val_fraction: float = 0.005, shard_tokens: int = 100_000_000,
-            overwrite: bool = False, progress: bool = True, stats: Optional[Counter] = None) -> dict:
-    """Tokenize `documents` into shards under `out`; returns the manifest.
+            overwrite: bool = False, progress: bool = True, stats: Optional[Counter] = None,
+            inputs: Iterable[Path] = ()) -> dict:
+    """Tokenize `documents` into shards under `out`; returns the manifest. `inputs`: the local files and folders
+    the documents come from (`out` must hold none of them).
 
     `stats` is the source's own counter (bad bytes...), filled while `documents` is iterated; it is merged
     into the manifest's `skipped`. The source must yield the same documents in the same order when re-run."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction={val_fraction} must be in [0, 1)")
+    try:
+        check_out(out, CORPUS, inputs, in_place=True)
+    except OutputError as e:
+        raise DataError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
     stats = stats if stats is not None else Counter()
     enc = load_tokenizer(tokenizer)
     settings = dict(source=source, tokenizer=canonical_name(enc), val_fraction=val_fraction,
                     shard_tokens=shard_tokens)
     if (out / "manifest.json").exists() and not overwrite:
-        m = json.loads((out / "manifest.json").read_text())
+        m = read_json(out / "manifest.json", "corpus manifest")
         if m.get("settings") == settings:
             log.info("%s is already prepared (%d tokens); nothing to do", out, m["num_tokens"])
             return m
@@ -158,7 +182,10 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
     prog_path = out / "progress.json"
     resume = {"settings": None}
     if prog_path.exists() and not overwrite:
-        resume = json.loads(prog_path.read_text())
+        resume = read_json(prog_path, "preparation progress record")
+        if not {"settings", "documents_read", "shards"} <= resume.keys():
+            raise DataError(f"{prog_path} is not a progress record of data.prepare; use --overwrite or another "
+                            f"--out")
         if resume["settings"] != settings and resume["documents_read"] == 0:
             resume = {"settings": None}  # nothing finished yet (e.g. a run that failed on a bad argument)
         elif resume["settings"] != settings:
@@ -191,7 +218,7 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
         from tqdm import tqdm
         bar = tqdm(unit="doc", desc=f"tokenizing -> {out.name}", dynamic_ncols=True, file=sys.stderr)
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) if workers > 1 else None
+    pool = ctx.Pool(workers, initializer=_init_pool_worker, initargs=(tokenizer,)) if workers > 1 else None
     if pool is None:
         _init_worker(tokenizer)
     try:
@@ -214,6 +241,10 @@ def prepare(documents: Iterable[str], out: Path, source: dict, tokenizer: str = 
                 bar.update(len(toks))
                 el = max(time.time() - t0, 1e-9)
                 bar.set_postfix_str(f"{tokens_done / el / 1e6:.2f}M tok/s")
+    except BaseException:
+        for w in writers.values():
+            w.discard()
+        raise
     finally:
         if pool is not None:
             pool.terminate()
@@ -275,17 +306,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                           data_files=args.hf_data_files, text_field=args.text_field)
             docs = iter_hf(args.hf_dataset, args.hf_config, args.hf_split, args.text_field, args.streaming, stats,
                            data_files=args.hf_data_files)
+            inputs = [Path(args.hf_dataset)] if Path(args.hf_dataset).exists() else []  # a local dataset folder
         else:
             if not args.inputs:
                 raise DataError("no input: give files/globs or --hf-dataset NAME")
             files = expand_inputs(args.inputs)
             source = dict(files=[str(f) for f in files], text_field=args.text_field)
             docs = iter_files(files, args.text_field, stats)
+            inputs = files
         prepare(docs, args.out, source, args.tokenizer, args.workers, args.val_fraction, args.shard_tokens,
-                args.overwrite, stats=stats)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+                args.overwrite, stats=stats, inputs=inputs)
+    except (DataError, OSError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.out} holds no prepared corpus yet (no manifest.json); the same command "
+              f"continues after its last finished shard", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

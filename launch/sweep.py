@@ -6,6 +6,8 @@ of another preset of the sweep are chained stages (context extension). The tasks
 `sbatch --array` per stage and resource set; a chained stage's tasks reuse the task ids of their parents and
 wait for them with `--dependency=aftercorr:<parent array>`, so each starts as soon as its own parent task has
 succeeded. Each array's tasks read their train.py arguments from a task list written next to the logs.
+A bad input or a write error is one line and exit code 2, Ctrl-C one line and exit code 130 (naming the arrays
+already submitted, if any); the sweep's folder is new, nothing is replaced.
 """
 from __future__ import annotations
 
@@ -193,10 +195,12 @@ def sbatch_command(a: Array, name: str, tasks_file: Path, log_dir: Path, throttl
     return cmd + [SBATCH_SCRIPT, "--tasks", str(tasks_file), "--nproc-per-node", str(r.procs_per_node)]
 
 
-def submit(arrays: list[Array], family: str, sweep_dir: Path, log_dir: Path, throttle: int) -> list:
-    sweep_dir.mkdir(parents=True, exist_ok=True)
+def submit(arrays: list[Array], family: str, sweep_dir: Path, log_dir: Path, throttle: int,
+           records: list) -> list:
+    """sbatch every array, appending a record per submitted one to `records` (as they go: an interruption still
+    knows what was submitted)."""
+    sweep_dir.mkdir(parents=True)
     env = {**os.environ, "LOGO_RESTART_DIR": str(log_dir / "restarts")}
-    records = []
     for k, a in enumerate(arrays):
         stage = a.tasks[0].preset.stage
         name = f"logo-{family}-{stage}"
@@ -235,8 +239,13 @@ def parse_args(argv: list[str]):
     return args
 
 
+def submitted(records: list) -> str:
+    return f"; already submitted: {' '.join(r['job'] for r in records)} (scancel them or resubmit)" if records else ""
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    records: list = []
     try:
         names = list_presets(args.target)
         check_overrides(args.overrides, len(names), args.seed_list)
@@ -247,15 +256,21 @@ def main(argv: list[str]) -> int:
         arrays = make_arrays(tasks)
         family = args.target.split("/")[0]
         sweep_dir = log_dir / "sweeps" / f"{args.target.replace('/', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
-        records = submit(arrays, family, sweep_dir, log_dir, args.throttle)
+        submit(arrays, family, sweep_dir, log_dir, args.throttle, records)
+        rows = [{"task": t.id, "preset": t.preset.name, "seed": t.seed, "run_dir": str(t.run_dir),
+                 "after": t.parent.id if t.parent else None} for t in tasks]
+        (sweep_dir / "sweep.json").write_text(json.dumps({"target": args.target, "seeds": args.seed_list,
+                                                          "overrides": args.overrides, "arrays": records,
+                                                          "tasks": rows}, indent=1))
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [{"task": t.id, "preset": t.preset.name, "seed": t.seed, "run_dir": str(t.run_dir),
-             "after": t.parent.id if t.parent else None} for t in tasks]
-    (sweep_dir / "sweep.json").write_text(json.dumps({"target": args.target, "seeds": args.seed_list,
-                                                      "overrides": args.overrides, "arrays": records,
-                                                      "tasks": rows}, indent=1))
+    except OSError as e:
+        print(f"error: {' '.join(str(e).split())}{submitted(records)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted{submitted(records)}", file=sys.stderr)
+        return 130
     for r in rows:
         seed = f" seed={r['seed']}" if r["seed"] is not None else ""
         print(f"{r['task']} {r['preset']}{seed} {r['run_dir']}" + (f" after {r['after']}" if r["after"] else ""))

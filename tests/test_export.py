@@ -193,11 +193,16 @@ def test_bad_inputs(tmp_path):
     make_run(tmp_path / "good", "logo")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("keep me")
-    with pytest.raises(ExportError) as e:
-        export(tmp_path / "good", tmp_path / "busy")
-    assert "--force" in _one_line(e) and (tmp_path / "busy" / "x").read_text() == "keep me"
-    out = export(tmp_path / "good", tmp_path / "busy", dtype="fp32", force=True)
-    assert not (out / "x").exists() and not list(tmp_path.glob(".busy.tmp-*"))
+    for force in (False, True):  # a folder holding anything but an earlier export is never replaced
+        with pytest.raises(ExportError) as e:
+            export(tmp_path / "good", tmp_path / "busy", force=force)
+        assert "not an export's (x)" in _one_line(e) and (tmp_path / "busy" / "x").read_text() == "keep me"
+    out = export(tmp_path / "good", tmp_path / "hf", dtype="fp32")
+    with pytest.raises(ExportError) as e:  # an earlier export: replaced with --force only
+        export(tmp_path / "good", out)
+    assert "--force" in _one_line(e)
+    out = export(tmp_path / "good", out, dtype="fp32", force=True)
+    assert not list(tmp_path.glob(".hf.tmp-*"))
 
     bad = tmp_path / "wrongtype"
     shutil.copytree(out, bad)

@@ -26,8 +26,6 @@ FORBIDDEN = {
 # Where a project module may be imported inside a function: only to keep a heavy dependency off the import path.
 LOCAL_IMPORTS_ALLOWED = {
     ("logo/__init__.py", "logo.run.load"),  # logo.load_pretrained: `import logo.config` stays free of torch
-    ("logo/export/__init__.py", "logo.export.writer"),  # logo.export.files (the report's) stays free of torch
-    ("logo/export/__init__.py", "logo.run.hf"),
     ("logo/export/writer.py", "logo.export.remote.configuration_logo"),  # imports transformers
     ("logo/eval/lm_eval_run.py", "logo.eval.lm_eval_adapter"),  # imports lm_eval
     ("logo/kernels/flash/__init__.py", "logo.kernels.flash._fa4"),  # imports flash-attn-4 (GPU extra)

@@ -80,8 +80,11 @@ def test_nothing_usable_and_bad_out(tmp_path, capsys):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "thesis.tex").write_text("keep me")
     code, out, err = report(broken, run, "--out", tmp_path / "busy", capsys=capsys)
-    assert out[0] == f"skipped {broken}: metrics.jsonl line 2 is not valid JSON"
-    assert code == 2 and "is not a report folder" in err and (tmp_path / "busy" / "thesis.tex").exists()
+    assert out == []  # refused before the runs are read
+    assert code == 2 and "holds files that are not a report's (thesis.tex)" in err
+    assert (tmp_path / "busy" / "thesis.tex").read_text() == "keep me"
+    code, out, err = report(broken, run, "--out", tmp_path / "rep", capsys=capsys)
+    assert code == 0 and out[0] == f"skipped {broken}: metrics.jsonl line 2 is not valid JSON"
     code, _, err = report(run, "--out", tmp_path / "busy" / "thesis.tex", capsys=capsys)
     assert code == 2 and "is a file" in err
 

@@ -9,7 +9,8 @@ Results: <run_dir>/eval/{perplexity,ruler,lm_eval}.json and a record in <run_dir
 TensorBoard when the run logs there); span writes PNGs + span_allocation.json (default <run_dir>/eval/span).
 Progress bars go to stderr when it is a terminal (--progress / --no-progress to choose); every command ends
 with one line: tokens, seconds, tokens/s and what it wrote. A bad input (missing checkpoint, unknown task, a
-length the model cannot take, ...) ends with one line `error: ...` and exit code 2. See docs/evaluation.md.
+length the model cannot take, an --out that is not an earlier span folder, a write error, ...) ends with one line
+`error: ...` and exit code 2; Ctrl-C with one line and exit code 130, nothing written. See docs/evaluation.md.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from data.format import DataError
+from data.outputs import INTERRUPTED, interrupt_deferred, one_line
 from data.tokenizer import TokenizerError, load_tokenizer
 from logo.config import ConfigError
 from logo.eval.lm_eval_run import lm_eval_metrics, run_lm_eval
@@ -29,7 +31,7 @@ from logo.eval.perplexity import perplexity, perplexity_metrics
 from logo.eval.progress import Progress
 from logo.eval.results import log_metrics, save_results
 from logo.eval.ruler import check_request, ruler_metrics, run_ruler
-from logo.eval.span import span_analysis
+from logo.eval.span import write_span_analysis
 from logo.run.checkpoint import CheckpointError
 
 
@@ -116,13 +118,14 @@ def _lm_eval(a, loaded, progress) -> dict:
 
 def _span(a, loaded, progress) -> dict:
     out = Path(a.out) if a.out else loaded.run_dir / "eval" / "span"
-    files = span_analysis(loaded, a.text, out, a.max_tokens, a.max_words, progress)
+    files = write_span_analysis(loaded, a.text, out, a.max_tokens, a.max_words, progress)
     return {"wrote": f"{out}/ ({', '.join(f.name for f in files)})"}
 
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    out = {}
     try:
         loaded = load_model(a.checkpoint, a.device, a.dtype)
         progress = Progress(a.progress)  # the summary's seconds: the evaluation, the model's loading aside
@@ -130,13 +133,21 @@ def main(argv=None) -> int:
         out = command(a, loaded, progress)
         progress.finish()
         if "results" in out:
-            out["wrote"] = save_results(loaded, a.what, out["results"])
-            log_metrics(loaded, out["metrics"])
+            with interrupt_deferred():  # a Ctrl-C does not come between the JSON and its metrics record
+                out["wrote"] = save_results(loaded, a.what, out["results"])
+                log_metrics(loaded, out["metrics"])
             print(f"{a.what} of {loaded.checkpoint} (step {loaded.step}): {out['summary']}")
         print(progress.summary(a.what, out["wrote"]))
     except (ConfigError, DataError, CheckpointError, TokenizerError, EvalError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: {a.what}: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {'wrote ' + str(out['wrote']) if 'wrote' in out else 'nothing was written'}",
+              file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

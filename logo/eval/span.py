@@ -5,7 +5,8 @@ context; the layer-wise realized ratio and the distribution of how many layers r
 row per text in `span_allocation.png`, as the paper's figure), and the word-level view of the first row
 (`<name>_words.png`: each word coloured by the number of layers that gave the prediction of its tokens global
 span, averaged over its tokens). Numbers in `span_allocation.json`. One figure per output: a text's own
-allocation panels are its row of `span_allocation.png`, never a second file.
+allocation panels are its row of `span_allocation.png`, never a second file. The folder is written aside and
+swapped in whole; it replaces only an earlier span folder (`data.outputs`).
 """
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from typing import Optional
 
 import torch
 
+from data.outputs import OutputError, OutputKind, check_out, folder_swapped_in
 from logo.analysis.span_allocation import (allocation_stats, plot_domains, plot_words, record_routing,
                                            word_scores, word_spans)
 from logo.eval.load import EvalError
+from logo.run.checkpoint import run_dir_of
 from logo.run.load import Loaded
 from logo.eval.progress import Progress
 from data.tokenizer import load_tokenizer
+
+SPAN = OutputKind("a span analysis", ("span_allocation.json",), ("span_allocation.json", "*.png"))
 
 
 def _name(path: Path, used: set) -> str:
@@ -83,3 +88,24 @@ def span_analysis(loaded: Loaded, texts: list[str], out_dir: Path, max_tokens: O
     numbers.write_text(json.dumps({"checkpoint": str(loaded.checkpoint), "step": loaded.step,
                                    "logo_layers": model.logo_layer_ids, "texts": report}, indent=1))
     return [figure, *word_figures, numbers]
+
+
+def span_sources(loaded: Loaded, texts: list[str]) -> list[Path]:
+    """What the analysis reads: the texts and the checkpoint (with its run's config.yaml)."""
+    ckpt = Path(loaded.checkpoint)
+    run_config = [] if ckpt == Path(loaded.run_dir) else [run_dir_of(ckpt) / "config.yaml"]
+    return [*map(Path, texts), ckpt, *run_config]
+
+
+def write_span_analysis(loaded: Loaded, texts: list[str], out: Path, max_tokens: Optional[int] = None,
+                        max_words: int = 400, progress: Optional[Progress] = None) -> list[Path]:
+    """`span_analysis` into the folder `out`, written aside and swapped in (replacing only an earlier span
+    folder); EvalError in one line for an `out` that may not be written. Returns the files written."""
+    sources = span_sources(loaded, texts)
+    try:
+        check_out(out, SPAN, sources)
+        with folder_swapped_in(out, SPAN, sources) as tmp:
+            files = span_analysis(loaded, texts, tmp, max_tokens, max_words, progress)
+    except OutputError as e:
+        raise EvalError(str(e)) from None
+    return [out / f.name for f in files]

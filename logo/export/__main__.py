@@ -1,7 +1,8 @@
 """python -m logo.export PATH --out DIR [--dtype bf16|fp32] [--force] [--progress|--no-progress]
 
 PATH: a run directory (its latest complete checkpoint), a checkpoints/step_N folder or an exported folder.
-Errors (missing or incomplete checkpoint, non-empty output folder, ...) are one line on stderr, exit code 2.
+Errors (missing or incomplete checkpoint, an output folder that is not an earlier export, a write error, ...)
+are one line on stderr, exit code 2; Ctrl-C is one line, exit code 130, and leaves the output folder as it was.
 A bar on stderr counts the weights written (by default when stderr is a terminal); one summary line on stdout
 ends the export.
 """
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from data.outputs import INTERRUPTED, one_line
 from logo.config import ConfigError
 from logo.export import export
 from logo.run.checkpoint import CheckpointError
@@ -41,16 +43,20 @@ def main(argv=None) -> int:
     ap.add_argument("path", help="run directory, checkpoints/step_N folder or exported folder")
     ap.add_argument("--out", required=True, help="output folder (written to a temporary folder, renamed at the end)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weight dtype (default bf16)")
-    ap.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    ap.add_argument("--force", action="store_true",
+                    help="replace an earlier export (never a folder holding anything else)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="a bar on stderr while the weights are written (default: only when stderr is a terminal)")
     a = ap.parse_args(argv)
     start = time.perf_counter()
     try:
         out = export(a.path, a.out, dtype=a.dtype, force=a.force, progress=a.progress)
-    except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, CheckpointError, OSError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing was exported ({a.out} is as it was)", file=sys.stderr)
+        return INTERRUPTED
     print(summary(a.path, out, a.dtype, time.perf_counter() - start))
     return 0
 

@@ -8,27 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import struct
 import sys
 from pathlib import Path
 from typing import Optional
-from collections.abc import Callable
 
 import torch
 
+from data.outputs import OutputError, OutputKind, check_out, folder_swapped_in
 from logo.config import ConfigError
 from logo.run.hf_layout import to_hf
-from logo.export.files import apply_umask
 from logo.export.tokenizer import save_tokenizer
-from logo.run.hf import ExportError
+from logo.run.hf import ExportError, is_hf_folder
 from logo.run.load import load_model
 
 REMOTE_DIR = Path(__file__).with_name("remote")
 REMOTE_FILES = ("configuration_logo.py", "modeling_logo.py")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 MAX_SHARD = "5GB"
 
 
@@ -75,28 +71,12 @@ def hf_config(loaded, dtype: str, eot: int):
     return c
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], advance: Callable[[int], None]) -> None:
-    """One safetensors file written tensor by tensor, calling `advance(bytes)` after each: an 8-byte
-    little-endian header size, the JSON header (dtype, shape, byte offsets; padded to 8 bytes), the raw bytes."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for t in tensors.values():
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            advance(t.numel() * t.element_size())
-
-
 def write_weights(out: Path, state: dict[str, torch.Tensor], progress: Optional[bool] = None) -> None:
-    """model.safetensors, or shards near 5 GB with model.safetensors.index.json; a bar on stderr counts the bytes
-    written (progress None: only when stderr is a terminal)."""
+    """model.safetensors, or shards near 5 GB with model.safetensors.index.json (written by the `safetensors`
+    library); a bar on stderr counts the bytes written, shard by shard (progress None: only when stderr is a
+    terminal)."""
     from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
     from tqdm import tqdm
     split = split_torch_state_dict_into_shards(state, max_shard_size=MAX_SHARD,
                                                filename_pattern="model{suffix}.safetensors")
@@ -105,7 +85,9 @@ def write_weights(out: Path, state: dict[str, torch.Tensor], progress: Optional[
               disable=None if progress is None else not progress, leave=False) as bar:
         for filename, names in split.filename_to_tensors.items():
             bar.set_postfix_str(filename)
-            write_safetensors(out / filename, {n: state[n] for n in names}, bar.update)
+            shard = {n: state[n] for n in names}
+            save_file(shard, out / filename, metadata={"format": "pt"})
+            bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
     if split.is_sharded:
         index = {"metadata": {"total_size": total}, "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
@@ -128,30 +110,55 @@ def write_folder(loaded, out: Path, dtype: str, progress: Optional[bool] = None)
             shutil.copyfile(REMOTE_DIR / name, out / name)
 
 
+def is_export(config: Path) -> bool:
+    """Whether a config.json is one this module wrote (it records the export's provenance under "logo")."""
+    try:
+        return isinstance(json.loads(config.read_text()).get("logo"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+EXPORT = OutputKind("an export", ("config.json",),
+                    ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                     "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", *REMOTE_FILES),
+                    is_own=is_export)
+
+
+def sources(path) -> list[Path]:
+    """What exporting `path` reads: a run's checkpoints and config.yaml, a checkpoint folder and its run's
+    config.yaml, or an exported folder."""
+    p = Path(path)
+    if (p / "checkpoints").is_dir():
+        return [p / "checkpoints", p / "config.yaml"]
+    if is_hf_folder(p):
+        return [p]
+    return [p, p.parent.parent / "config.yaml"] if p.parent.name == "checkpoints" else [p]
+
+
+def check_target(path, out: Path, force: bool) -> None:
+    """ExportError in one line unless `out` may be written: new, empty, or (with --force) an earlier export that
+    holds nothing else and overlaps nothing the export reads."""
+    try:
+        if check_out(out, EXPORT, sources(path)) and not force:
+            raise ExportError(f"output folder {out} holds an earlier export; pass --force to replace it")
+    except OutputError as e:
+        raise ExportError(str(e)) from None
 
 
 def export(path, out, dtype: str = "bf16", force: bool = False, device: str = "cpu",
            progress: Optional[bool] = None) -> Path:
     """Export a run directory, a checkpoint folder or an exported folder to a Hugging Face folder `out`.
-    Written to a temporary sibling folder and renamed at the end: `out` never holds a partial export. Files and
-    folders get the permissions of the user's umask. progress: a bar while the weights are written (None: only
-    when stderr is a terminal)."""
+    Written to a temporary sibling folder and swapped in at the end: `out` never holds a partial export, and
+    only an earlier export is ever replaced (force). Files and folders get the permissions of the user's umask.
+    progress: a bar while the weights are written (None: only when stderr is a terminal)."""
     if dtype not in DTYPES:
         raise ConfigError(f"invalid dtype {dtype!r}: choose one of {list(DTYPES)}")
     out = Path(out)
-    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"output folder {out} is not empty; pass --force to replace it")
+    check_target(path, out, force)
     loaded = load_model(path, device=device, dtype="fp32")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        write_folder(loaded, tmp, dtype, progress)
-        apply_umask(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    os.replace(tmp, out)
+        with folder_swapped_in(out, EXPORT, sources(path)) as tmp:
+            write_folder(loaded, tmp, dtype, progress)
+    except OutputError as e:
+        raise ExportError(str(e)) from None
     return out

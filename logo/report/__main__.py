@@ -5,9 +5,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from data.outputs import INTERRUPTED, one_line
 from logo.report.layouts import LAYOUTS
 from logo.report.report import ReportError, Settings, build_report, default_out
-from logo.report.write import write_report
+from logo.report.write import check_report_out, write_report
 from logo.report.wandb_log import log_report
 
 
@@ -42,7 +43,10 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     settings = Settings(family=a.family, last_steps=a.last_steps, include_incomplete=a.include_incomplete,
                         alpha=a.alpha, n_boot=a.bootstrap, fit_metric=a.fit_metric, seed=a.seed)
+    files = []
     try:
+        if a.out:
+            check_report_out(Path(a.out))  # before the runs are read: a bad --out fails at once
         rep = build_report(a.runs, settings)
         out = Path(a.out) if a.out else default_out(rep.layout.family)
         files = write_report(rep, out)
@@ -50,8 +54,12 @@ def main(argv=None) -> int:
         if a.wandb:
             print(log_report(rep, files, a.wandb_project))
     except (ReportError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        done = f"the report is in {files[0].parent}, not logged to W&B" if files else "no report was written"
+        print(f"interrupted: {done}", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

@@ -153,7 +153,10 @@ def read_records(path: Path) -> tuple[list[dict], list[str]]:
     """metrics.jsonl records in step order; a torn last line (a run writing it right now) is dropped, and records
     superseded by a resume (a later record with a smaller step) are removed. Returns (records, notes)."""
     notes = []
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError as e:
+        raise Skip(f"metrics.jsonl cannot be read ({e})") from None
     records: list[dict] = []
     superseded = 0
     for n, line in enumerate(lines, 1):
@@ -227,7 +230,7 @@ def _incomplete_reason(d: Path, last: int, steps: int, now: Optional[float]) -> 
             if json.loads(final.read_text()).get("step") == last:
                 return (f"stopped at step {last} of {steps} (a stop signal or preemption; re-running its command "
                         f"resumes it)")
-        except (OSError, json.JSONDecodeError, AttributeError):
+        except (OSError, ValueError, AttributeError):  # unreadable, not UTF-8, not JSON: the age decides
             pass
     age = (now if now is not None else time.time()) - (d / "metrics.jsonl").stat().st_mtime
     state = "still running" if age < STILL_RUNNING_S else "stopped or failed"

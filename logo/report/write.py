@@ -2,26 +2,28 @@
 runs.csv, comparisons.csv, fits.csv, report.json and the PNG plots.
 
 The folder is assembled next to the target and swapped in at the end, so a reader never sees a half-written
-report; an existing folder is replaced only if it is a report folder (it holds report.json). Files and folders get
-the permissions of the user's umask.
+report; an existing folder is replaced only if it is an earlier report (it holds report.json and nothing a report
+does not write) and holds none of the runs read (`data.outputs`). Files and folders get the permissions of the
+user's umask.
 """
 from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
-from logo.export.files import apply_umask
+from data.outputs import OutputError, OutputKind, check_out, folder_swapped_in
 from logo.report import plots
 from logo.report.layouts import full_table, main_table, ratio_table, ruler_task_table
 from logo.report.report import FIT_AXES, Report, ReportError
 from logo.report.values import fmt, metric
 
+REPORT = OutputKind("a report", ("report.json",),
+                    ("report.md", "report.json", "table_*.md", "table_*.csv", "table_*.tex", "*.csv", "*.png"))
 HOURS_NOTES = {"gpu_hours": "GPU-hours for runs on GPUs", "cpu_hours": "CPU process-hours for runs on the CPU",
                "process_hours": "process-hours for runs that do not record their device"}
 
@@ -203,37 +205,44 @@ def _plots(rep: Report, out: Path) -> list[str]:
     return names
 
 
+def check_report_out(out: Path, rep: Optional[Report] = None) -> None:
+    """ReportError in one line unless `out` is new, empty or an earlier report holding none of the report's runs."""
+    try:
+        check_out(out, REPORT, _run_paths(rep) if rep else ())
+    except OutputError as e:
+        raise ReportError(str(e)) from None
+
+
+def _run_paths(rep: Report) -> list[Path]:
+    return [run.path for c in rep.cells for run in c.runs]
+
+
 def write_report(rep: Report, out: Path) -> list[Path]:
     """Write every file of the report into `out` (replaced as a whole); returns the written paths."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ReportError(f"--out {out} is a file; pass a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "report.json").is_file():
-        raise ReportError(f"--out {out} exists and is not a report folder (no report.json); pass a new or empty folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    check_report_out(out, rep)
     try:
-        files = _plots(rep, tmp)
-        for stage, cells in rep.tables:
-            (tmp / f"table_{stage}.md").write_text(_md(main_table(rep.layout, cells)) + "\n")
-            full_table(rep.layout, cells).to_csv(tmp / f"table_{stage}.csv", index=False)
-            main_table(rep.layout, cells, latex=True).to_latex(tmp / f"table_{stage}.tex", index=False, escape=False,
-                                                               caption=f"{rep.layout.title}; stage {stage}")
-            files += [f"table_{stage}.md", f"table_{stage}.csv", f"table_{stage}.tex"]
-        for name, df in (("runs.csv", runs_frame(rep)), ("comparisons.csv", comparisons_frame(rep)),
-                         ("fits.csv", fits_frame(rep)), ("multipliers.csv", multipliers_frame(rep))):
-            if len(df):
-                df.to_csv(tmp / name, index=False)
-                files.append(name)
-        (tmp / "report.json").write_text(json.dumps(_clean(report_json(rep)), indent=1, default=_json_default))
-        files.append("report.json")
-        (tmp / "report.md").write_text(report_markdown(rep, files))
-        files.insert(0, "report.md")
-        apply_umask(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with folder_swapped_in(out, REPORT, _run_paths(rep)) as tmp:
+            files = _write_files(rep, tmp)
+    except OutputError as e:
+        raise ReportError(str(e)) from None
     return [out / f for f in files]
+
+
+def _write_files(rep: Report, tmp: Path) -> list[str]:
+    files = _plots(rep, tmp)
+    for stage, cells in rep.tables:
+        (tmp / f"table_{stage}.md").write_text(_md(main_table(rep.layout, cells)) + "\n")
+        full_table(rep.layout, cells).to_csv(tmp / f"table_{stage}.csv", index=False)
+        main_table(rep.layout, cells, latex=True).to_latex(tmp / f"table_{stage}.tex", index=False, escape=False,
+                                                           caption=f"{rep.layout.title}; stage {stage}")
+        files += [f"table_{stage}.md", f"table_{stage}.csv", f"table_{stage}.tex"]
+    for name, df in (("runs.csv", runs_frame(rep)), ("comparisons.csv", comparisons_frame(rep)),
+                     ("fits.csv", fits_frame(rep)), ("multipliers.csv", multipliers_frame(rep))):
+        if len(df):
+            df.to_csv(tmp / name, index=False)
+            files.append(name)
+    (tmp / "report.json").write_text(json.dumps(_clean(report_json(rep)), indent=1, default=_json_default))
+    files.append("report.json")
+    (tmp / "report.md").write_text(report_markdown(rep, files))
+    return ["report.md", *files]
