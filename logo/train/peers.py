@@ -3,6 +3,7 @@ can name the rank that died in one line (torchrun's own report still says how it
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from typing import Optional
@@ -53,9 +54,13 @@ def lost_peer_message(error: BaseException) -> Optional[str]:
     if len(_PEERS) < 2 or not isinstance(error, (RuntimeError, ConnectionError)):
         return None
     dead = dead_peers()
-    if not dead:
+    remote = re.search(r"Connection (?:closed|reset) by peer \[([^\]]+)\]", str(error))  # gloo's words
+    if dead:
+        who = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
+    elif remote:
+        who = f"the rank at {remote.group(1)}"  # on another host: its process cannot be looked at from here
+    else:
         return None
-    me = dist.get_rank() if dist.is_initialized() else _PEERS.index((socket.gethostname(), os.getpid()))
-    who = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
+    me = next((r for r, peer in enumerate(_PEERS) if peer == (socket.gethostname(), os.getpid())), "?")
     return (f"{who} of this run died; rank {me} stops too (its last collective failed); the last complete checkpoint "
             f"stays latest: re-run the same command to resume")
