@@ -1,8 +1,9 @@
 """The training loop: one process or torchrun data-parallel FSDP2, resumable, with LoGo budget control.
 
 A launch is `_open_run` (the checks against the run directory's checkpoints), `_build` (model, optimizer,
-data, held-out evaluation, budget controller, train state), `_resume` (from the run's checkpoint or init_from)
-and `_run` (the loop). The step itself is `logo/train/step.py` (no host sync); the loop reads its results on
+data, held-out evaluation, budget controller, train state), `_resume` (from the run's checkpoint or init_from),
+then the run directory's lock and its plan.json and config.yaml (a launch refused by any check before writes
+nothing), and `_run` (the loop). The step itself is `logo/train/step.py` (no host sync); the loop reads its results on
 the host only at logging and checkpoint steps. Per step the host does: take the prefetched batch, launch the
 step, one host-only (gloo) all-reduce of the stop flag when distributed.
 """
@@ -59,21 +60,26 @@ __all__ = ["TrainingDiverged", "train", "dry_run", "lr_factor"]
 
 class _StopRequest:
     """SIGTERM / SIGUSR1 (SLURM preemption, scancel) and SIGINT (Ctrl-C): finish the step, checkpoint, exit
-    cleanly. A SIGINT after the first stop signal aborts at once, without a checkpoint (as kill -9 would: the
-    last complete checkpoint stays latest). `restore()` puts the previous handlers back."""
+    cleanly. A SIGINT more than ECHO_S after the first stop signal aborts at once, without a checkpoint (as kill -9
+    would: the last complete checkpoint stays latest); within ECHO_S it is the same Ctrl-C passed on by torchrun,
+    which forwards the signal it got to every worker. `restore()` puts the previous handlers back."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    ECHO_S = 0.5
 
     def __init__(self):
         self.signal = None
+        self._since = 0.0
         self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
 
     def _handler(self, signum, frame):
-        if signum == signal.SIGINT and self.signal is not None:
-            os.write(2, b"second interrupt: stopped at once, without a checkpoint; re-run the same command to resume "
-                        b"from the last complete checkpoint\n")
-            os._exit(128 + signal.SIGINT)
-        self.signal = signal.Signals(signum).name
+        if self.signal is not None:
+            if signum == signal.SIGINT and time.monotonic() - self._since > self.ECHO_S:
+                os.write(2, b"second interrupt: stopped at once, without a checkpoint; re-run the same command to "
+                            b"resume from the last complete checkpoint\n")
+                os._exit(128 + signal.SIGINT)
+            return
+        self.signal, self._since = signal.Signals(signum).name, time.monotonic()
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
