@@ -26,7 +26,8 @@ register_configs()
 
 def composition_error(argv: list[str]) -> str:
     """'' when the command line's overrides compose into a config, else the complaint as one line (an unknown
-    group option, with the closest ones; Hydra's for an unknown key or a malformed override). Hydra's own flags (--help, --cfg, -m, ...) are left to Hydra."""
+    group option, with the closest ones; Hydra's for an unknown key or a malformed override). Hydra's own flags
+    (--help, --cfg, -m, ...) are left to Hydra."""
     if any(a.startswith("-") for a in argv):
         return ""
     from hydra.errors import HydraException
