@@ -2,11 +2,12 @@
 
     python train.py                                   # tiny LoGo model, embedded corpus, CPU-friendly
     torchrun --nproc_per_node=8 train.py model=1.5b attention=logo stage=pretrain_8k data=shards data.path=DIR
-    python train.py +experiment=controlled_1.5b/logo dry_run=true
+    python train.py experiment=controlled_1.5b/logo dry_run=true
 
 See README.md and docs/training.md.
 """
 import logging
+import signal
 import sys
 
 import hydra
@@ -15,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from data.format import DataError
 from logo.config import ConfigError
 from logo.run.checkpoint import CheckpointError
-from logo.run.config import compose, register_configs, to_dataclass
+from logo.run.config import UnknownOption, compose, register_configs, to_dataclass
+from logo.train.peers import lost_peer_message
 from logo.train.rundir import RunComplete, RunDirLocked
 from logo.train.trainer import TrainingDiverged, dry_run, train
 
@@ -23,17 +25,20 @@ register_configs()
 
 
 def composition_error(argv: list[str]) -> str:
-    """'' when the command line's overrides compose into a config, else Hydra's complaint as one line (an unknown
-    group option, key or malformed override). Hydra's own flags (--help, --cfg, -m, ...) are left to Hydra."""
+    """'' when the command line's overrides compose into a config, else the complaint as one line (an unknown
+    group option, with the closest ones; Hydra's for an unknown key or a malformed override). Hydra's own flags
+    (--help, --cfg, -m, ...) are left to Hydra."""
     if any(a.startswith("-") for a in argv):
         return ""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
     try:
         compose(argv)
+    except UnknownOption as e:  # Hydra itself would skip a missing optional group (experiment) silently
+        return str(e)
     except ConfigError:
         return ""  # composed; main() reports the invalid value in its own line
-    except (HydraException, OmegaConfBaseException) as e:
+    except (HydraException, OmegaConfBaseException, ValueError) as e:  # ValueError: a group set to null
         return "invalid config: " + hydra_message(e)
     return ""
 
@@ -47,6 +52,10 @@ def hydra_message(e: BaseException) -> str:
         start = next(i for i, ln in enumerate(lines) if ln.startswith("Available options in"))
         options = [ln for ln in lines[start + 1:] if not ln.startswith(("Config search path", "provider="))]
         msg += f"; choose one of {', '.join(options)}"
+    if msg.startswith("Multiple values for "):  # `+group=option` for a group the defaults list already has
+        msg, _, rest = msg.partition(". To override a value use 'override ")
+        group, _, option = rest.rstrip("'").partition(": ")
+        msg += f": set it without the +: {group}={option}" if option else ""
     cause = e.__cause__
     if cause is not None and str(cause).strip():
         msg = msg.rstrip(".") + f": {str(cause).strip().splitlines()[0]}"
@@ -72,6 +81,15 @@ def main(cfg: DictConfig) -> None:
         print(e, file=sys.stderr)
     except (ConfigError, DataError, CheckpointError, TrainingDiverged, RunDirLocked) as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop (it saves a checkpoint on Ctrl-C itself)
+        print("interrupted before training started: this launch saved nothing", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+    except Exception as e:
+        lost = lost_peer_message(e)
+        if lost is None:
+            raise
+        print(f"error: {lost}", file=sys.stderr)
         sys.exit(2)
     finally:
         import torch.distributed as dist

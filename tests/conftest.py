@@ -19,10 +19,11 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A few tiny steps: 4 sequences of 64 tokens per step, 2 micro-batches of 2 (grad accumulation 2).
+# A few tiny steps: 4 sequences of 64 tokens per step, 2 micro-batches of 2 (grad accumulation 2); the paper's
+# sign controller (the thresholds move by gamma a step, which several tests check).
 TINY_RUN = ["model=tiny", "stage.seq_len=64", "stage.global_batch_tokens=256", "train.micro_batch=2",
             "logging.interval=1", "logging.progress_bar=false", "logging.heatmap_interval=1000",
-            "attention.window=16", "attention.gamma=0.01", "eval.tokens=512"]
+            "attention.window=16", "attention.gamma=0.01", "attention.budget_control=threshold", "eval.tokens=512"]
 
 
 def train_cmd(*overrides, nproc: int = 1, fault: bool = False) -> list:

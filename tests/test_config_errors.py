@@ -61,8 +61,8 @@ def test_rho_one_is_allowed():
     (["model.n_heads=3"], "model.n_heads=3"),
     (["attention.window=0"], "attention.window=0"),
     (["attention.kind=sparse"], "attention.kind='sparse'"),
-    (["attention=nonexistent"], "attention/nonexistent"),
-    (["model=nonexistent"], "Could not find 'model/nonexistent'; choose one of 1.5b, 200m"),
+    (["attention=nonexistent"], "invalid config attention=nonexistent: conf/attention has no option"),
+    (["model=nonexistent"], "invalid config model=nonexistent: conf/model has no option 'nonexistent'; closest: "),
     (["train.nonexistent=3"], "Could not override 'train.nonexistent'"),
     (["stage.seq_len=abc"], "stage.seq_len"),
     (["model.dim=100"], "invalid config model.dim=100: with model.n_heads=4 each head has 25 channels"),
@@ -74,6 +74,35 @@ def test_cli_prints_one_clear_error(overrides, needle, tmp_path):
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0], p.stderr[-2000:]
     assert "Traceback" not in p.stderr + p.stdout
+
+
+@pytest.mark.parametrize("override,closest", [
+    ("experiment=controled_1.5b/logo", "closest: controlled_1.5b/logo, "),
+    ("+experiment=controled_1.5b/logo", "closest: controlled_1.5b/logo, "),
+    ("experiment=nope/x", "closest: "),
+    ("attention=logoo", "closest: logo, "),
+])
+def test_unknown_group_option_is_refused_before_anything_runs(override, closest, tmp_path):
+    """An option a config group does not have (also the optional `experiment`, which Hydra would skip silently
+    and train the default config): one line with the closest options, exit 2, no run directory."""
+    p = run_train(override, f"run.dir={tmp_path / 'run'}", check=False)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    value = override.lstrip("+")
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
+    group, option = value.split("=")
+    assert lines[0].startswith(f"error: invalid config {value}: conf/{group} has no option {option!r}; {closest}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_group_options_include_nested_presets():
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from logo.run.config import group_options
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        options = group_options(GlobalHydra.instance().config_loader(), "experiment")
+    presets = sorted(str(f.relative_to(ROOT / "conf" / "experiment").with_suffix(""))
+                     for f in (ROOT / "conf" / "experiment").rglob("*.yaml"))
+    assert options == presets and "controlled_1.5b/logo" in options
 
 
 def test_default_dry_run_plans_for_one_process(tmp_path):

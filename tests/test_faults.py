@@ -281,3 +281,94 @@ def test_config_drift_on_resume_names_the_fields(sync_reference, tmp_path):
     # allowed changes resume: more steps, another logging interval
     run_train(*ARGS, "train.steps=6", "logging.interval=2", f"run.dir={d}", timeout=T)
     assert names(d)[-1] == "step_00000006"
+
+
+def only_line(p, code: int = 2) -> str:
+    """A refused launch's whole output is one line, with exit code `code`; returns it."""
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert p.returncode == code and len(lines) == 1, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    return lines[0]
+
+
+def prepared_corpus(tmp_path: Path) -> Path:
+    """A small corpus prepared with python -m data.prepare (train and validation splits, checksummed shards)."""
+    src = tmp_path / "docs.txt"
+    src.write_text("\n\n".join(f"document {i}: " + "some words and numbers " * (20 + i) for i in range(60)))
+    out = tmp_path / "corpus"
+    prep = subprocess.run([sys.executable, "-m", "data.prepare", str(src), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=T)
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    return out
+
+
+def test_a_refused_launch_writes_nothing_even_when_its_data_fails_last(tmp_path):
+    """A finished run whose corpus has a shard damaged afterwards: `run.extend=true train.steps=3` stops in one
+    line naming the shard with every file of the run byte-identical (config.yaml and plan.json still plan the
+    finished run, which stays finished); the same corpus into a new run.dir does not create it."""
+    corpus = prepared_corpus(tmp_path)
+    d, data = tmp_path / "run", ["data=shards", f"data.path={corpus}", "eval.interval=0"]
+    run_train(*TINY_RUN, "train.steps=2", *data, f"run.dir={d}", timeout=T)
+    shard = corpus / "train_00000.bin"
+    damage(shard, "overwrite")
+    before = snapshot(d)
+    line = only_line(run_train(*TINY_RUN, "train.steps=3", "run.extend=true", *data, f"run.dir={d}", check=False,
+                               timeout=T))
+    assert line == f"error: shard {shard} is corrupted: its sha256 does not match the manifest", line
+    assert snapshot(d) == before
+    assert json.loads((d / "plan.json").read_text())["steps"] == 2
+    fresh = tmp_path / "fresh"
+    assert only_line(run_train(*TINY_RUN, "train.steps=3", *data, f"run.dir={fresh}", check=False,
+                               timeout=T)) == line
+    assert not fresh.exists()
+
+
+def test_second_ctrl_c_aborts_at_once(sync_reference, tmp_path):
+    """Ctrl-C while the checkpoint of step 4 is being written asks for a checkpoint after it; a second Ctrl-C
+    stops at once (exit 130, one line): the half-written step 4 is not latest, step 2 is."""
+    import signal
+    import time
+    from logo.train.checkpoint import Checkpointer
+    d = tmp_path / "run"
+    proc = start(d, "slow_write:4:300")
+    wait_for_train(lambda: (d / "checkpoints" / "step_00000004.tmp").is_dir(), proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1)
+    assert proc.poll() is None  # the first Ctrl-C waits for the step's checkpoint
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1] == ("second interrupt: stopped at once, without a checkpoint; re-run the same "
+                                    "command to resume from the last complete checkpoint")
+    assert Checkpointer(d, 10).latest().name == "step_00000002"
+
+
+def test_a_dead_peer_rank_is_named_in_one_line(tmp_path, default_corpus):
+    """Rank 1 of a two-process run is killed: rank 0 says in one line that rank 1 died and exits; torchrun's own
+    report follows. No traceback of train.py, no gloo error text."""
+    import signal
+    import time
+    from conftest import train_cmd, train_env
+    d = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(*TINY_RUN, "train.steps=50", "eval.interval=0", "checkpoint.interval=1000",
+                                      f"run.dir={d}", nproc=2),
+                            cwd=ROOT, env=train_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_train(lambda: logged(d, 2), proc)
+    pid = _rank_pid(proc.pid, 1)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.time()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - t0 < 60
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: rank 1 (pid {pid}) of this run died; rank 0 stops too (its last collective failed); "
+                      f"the last complete checkpoint stays latest: re-run the same command to resume"], err[-4000:]
+    assert "Error executing job" not in err and "train.py\", line" not in err and "gloo" not in err.lower()
+    assert "ChildFailedError" in err  # torchrun's report stays
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the worker process of `rank` started by the torchrun process `launcher`."""
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return int(child)
+    raise AssertionError(f"no worker of rank {rank} under pid {launcher}")

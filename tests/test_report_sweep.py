@@ -14,8 +14,8 @@ STEPS = 3
 BATCH = 128  # tokens per step: one sequence of 128
 SWEEP = ["-m", "model=tiny,small", "attention=full,logo", "train.seed=0,1", "data.seed=${train.seed}",
          "stage.seq_len=128", f"stage.global_batch_tokens={BATCH}", "train.micro_batch=1", f"train.steps={STEPS}",
-         "logging.interval=1", "logging.progress_bar=false", "logging.heatmap_interval=1000", "attention.window=16",
-         "attention.gamma=0.01", "eval.tokens=256"]
+         "logging.interval=1", "logging.ratio_window=1", "logging.progress_bar=false", "logging.heatmap_interval=1000",
+         "attention.window=16", "attention.gamma=0.01", "eval.tokens=256"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = pytest.mark.slow  # eight short training runs

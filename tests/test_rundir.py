@@ -22,6 +22,21 @@ def test_one_holder_then_the_next(tmp_path):
     RunLock(tmp_path).acquire().release()
 
 
+def test_check_free_names_a_live_holder_and_changes_nothing(tmp_path):
+    """The check a launch makes before reading a run directory: it creates no directory or lock file, names a
+    live holder, and leaves a released lock file's bytes as they were."""
+    RunLock(tmp_path / "new").check_free()
+    assert not (tmp_path / "new").exists()
+    a = RunLock(tmp_path).acquire()
+    with pytest.raises(RunDirLocked, match=f"in use by pid {os.getpid()}"):
+        RunLock(tmp_path).check_free()
+    a.release()
+    (tmp_path / ".lock").write_text('{"pid": 1, "host": "gone"}')  # a dead holder's record
+    RunLock(tmp_path).check_free()
+    assert (tmp_path / ".lock").read_text() == '{"pid": 1, "host": "gone"}'
+    RunLock(tmp_path).acquire().release()  # the check held nothing
+
+
 def test_a_killed_holder_is_taken_over_with_a_warning(tmp_path, caplog):
     code = ("import sys, time; sys.path.insert(0, sys.argv[2]); from logo.train.rundir import RunLock; "
             "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)")

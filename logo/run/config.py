@@ -97,7 +97,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     interval: int = 10
-    progress_bar: bool = True
+    progress_bar: bool = True  # on a terminal only: logs get one line per interval
     wandb: bool = False
     wandb_project: str = "logo"
     wandb_mode: str = "auto"  # auto: online when logged in, else offline | online | offline
@@ -191,11 +191,55 @@ def compose(overrides: list[str]) -> tuple[Config, dict, str]:
     from omegaconf import open_dict
     register_configs()
     with initialize_config_dir(str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
+        check_group_choices(overrides)
         cfg = hydra_compose("config", overrides=list(overrides), return_hydra_config=True)
     attention = cfg.hydra.runtime.choices.get("attention", "")
     with open_dict(cfg):
         del cfg["hydra"]
     return to_dataclass(cfg), OmegaConf.to_container(cfg, resolve=True), attention
+
+
+class UnknownOption(ConfigError):
+    """A config group set to an option that does not exist (Hydra skips a missing optional one silently)."""
+
+
+def check_group_choices(overrides: list[str]) -> None:
+    """UnknownOption naming the override, its closest options and the group's options when a command-line
+    override picks an option a config group does not have (`experiment=controled_1.5b/logo`, with or without +).
+    Runs inside Hydra's initialize context; overrides Hydra cannot parse are left to Hydra."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return
+    loader = GlobalHydra.instance().config_loader()
+    for o in parsed:
+        value = None if o.is_delete() or o.is_sweep_override() else o.value()
+        if not isinstance(value, str) or not loader.repository.group_exists(o.key_or_group):
+            continue
+        options = group_options(loader, o.key_or_group)
+        if value not in options:
+            raise UnknownOption(unknown_option_message(o.key_or_group, value, options))
+
+
+def group_options(loader, group: str) -> list[str]:
+    """Every option of a config group, those in its sub-folders as 'folder/name' (experiment presets)."""
+    names = list(loader.get_group_options(group))
+    for sub in loader.list_groups(group):
+        names += [f"{sub}/{n}" for n in group_options(loader, f"{group}/{sub}")]
+    return sorted(names)
+
+
+def unknown_option_message(group: str, value: str, options: list[str]) -> str:
+    """One line: the override, the closest options (difflib) and the group's options (a count when many)."""
+    import difflib
+    closest = difflib.get_close_matches(value, options, n=3, cutoff=0.0)
+    listed = (f"choose one of {', '.join(options)}" if len(options) <= 20 else
+              f"{len(options)} options in conf/{group}/")
+    return (f"invalid config {group}={value}: conf/{group} has no option {value!r}; closest: {', '.join(closest)}; "
+            f"{listed}")
 
 
 def to_dataclass(cfg: DictConfig) -> Config:

@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,10 @@ from logo.run.ranks import barrier, rank, rank0_decides
 
 log = logging.getLogger("logo")
 ASYNC_MODES = ("none", "async", "async_pinned")
+# An asynchronous save runs DCP's save on a background thread, outside `quiet_dcp`: its warning that it assumes one
+# process (intended: a one-process run) is dropped where DCP raises it, for every save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning, module=r"torch\.distributed\.checkpoint")
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,8 +87,11 @@ class Plan:
         return dataclasses.replace(model_cfg, attention=attn)
 
     def write(self, run_dir: Path) -> None:
+        """<run_dir>/plan.json, replaced whole (never half-written)."""
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "plan.json").write_text(json.dumps(self.to_json(), indent=1))
+        tmp = run_dir / "plan.json.tmp"
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        os.replace(tmp, run_dir / "plan.json")
 
 
 def run_name(cfg: Config, attention_name: str) -> str:

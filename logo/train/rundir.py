@@ -118,22 +118,11 @@ class RunLock:
         """Take the lock or raise RunDirLocked naming the holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        previous = self._read(fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            kernel_lock = True
-        except OSError as e:
-            busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
-            if busy and not (previous and self._same_job(previous)):
-                os.close(fd)
-                raise RunDirLocked(self._busy(previous)) from None
-            # ENOLCK / EOPNOTSUPP: the filesystem has no locks; or a network filesystem still holds the lock of
-            # this job's previous run (a crashed node, SLURM requeue): decide by the file and its heartbeat
-            kernel_lock = False
-        previous = self._read(fd)  # as of now that we hold it (the holder may have just released it)
-        if not kernel_lock and previous and not self._stale(previous):
+            kernel_lock, previous = self._claim(fd)
+        except RunDirLocked:
             os.close(fd)
-            raise RunDirLocked(self._busy(previous))
+            raise
         if previous and previous.get("pid") != self.info["pid"]:
             log.warning("run directory %s: taking over the lock of %s, which is no longer running", self.path.parent,
                         describe(previous))
@@ -143,6 +132,37 @@ class RunLock:
             self._thread = threading.Thread(target=self._heartbeat, name="logo-run-lock", daemon=True)
             self._thread.start()
         return self
+
+    def check_free(self) -> None:
+        """RunDirLocked naming the holder while a live process holds the lock; creates and changes nothing (a
+        launch checks this before its other checks, and takes the lock only once they all pass)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return
+        try:
+            self._claim(fd)
+        finally:
+            os.close(fd)  # closing drops the kernel lock the check may have taken
+
+    def _claim(self, fd: int) -> tuple[bool, Optional[dict]]:
+        """(whether the kernel lock was taken, the previous holder's record) for the open lock file `fd`;
+        RunDirLocked while a live process holds it."""
+        previous = self._read(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            kernel_lock = True
+        except OSError as e:
+            busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+            if busy and not (previous and self._same_job(previous)):
+                raise RunDirLocked(self._busy(previous)) from None
+            # ENOLCK / EOPNOTSUPP: the filesystem has no locks; or a network filesystem still holds the lock of
+            # this job's previous run (a crashed node, SLURM requeue): decide by the file and its heartbeat
+            kernel_lock = False
+        previous = self._read(fd)  # as of now that we hold it (the holder may have just released it)
+        if not kernel_lock and previous and not self._stale(previous):
+            raise RunDirLocked(self._busy(previous))
+        return kernel_lock, previous
 
     def _busy(self, h: Optional[dict]) -> str:
         who = describe(h) if h else "another process"

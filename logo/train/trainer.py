@@ -1,8 +1,9 @@
 """The training loop: one process or torchrun data-parallel FSDP2, resumable, with LoGo budget control.
 
 A launch is `_open_run` (the checks against the run directory's checkpoints), `_build` (model, optimizer,
-data, held-out evaluation, budget controller, train state), `_resume` (from the run's checkpoint or init_from)
-and `_run` (the loop). The step itself is `logo/train/step.py` (no host sync); the loop reads its results on
+data, held-out evaluation, budget controller, train state), `_resume` (from the run's checkpoint or init_from),
+then the run directory's lock and its plan.json and config.yaml (a launch refused by any check before writes
+nothing), and `_run` (the loop). The step itself is `logo/train/step.py` (no host sync); the loop reads its results on
 the host only at logging and checkpoint steps. Per step the host does: take the prefetched batch, launch the
 step, one host-only (gloo) all-reduce of the stop flag when distributed.
 """
@@ -38,13 +39,15 @@ from logo.model.flops import mfu, peak_bf16_flops, realized_ratios
 from logo.model.lm_head import resolve_loss_impl
 from logo.parallel import ParallelDims, parallelize, sum_over_ranks
 from logo.parallel.memory import estimate, fit_hint
-from logo.run.checkpoint import CheckpointError, agreed, load_model_only, read_train_state, resolve_checkpoint
+from logo.run.checkpoint import (CheckpointError, agreed, complete_checkpoints, load_model_only, read_train_state,
+                                 resolve_checkpoint)
 from logo.run.config import Config
 from logo.run.hf import check_compatible, load_into, read_config, strip_prefix
 from logo.run.ranks import rank0_decides
 from logo.train.checkpoint import Checkpointer
 from logo.train.heldout import HeldOutEval
 from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
+from logo.train.peers import record_peers
 from logo.train.plan import Plan, make_plan
 from logo.train.rundir import RunDirLocked, RunLock, check_prior_run, config_drift
 from logo.train.state import TrainState
@@ -56,16 +59,32 @@ __all__ = ["TrainingDiverged", "train", "dry_run", "lr_factor"]
 
 
 class _StopRequest:
-    """SIGTERM / SIGUSR1 (SLURM preemption, scancel): finish the step, checkpoint, exit cleanly."""
+    """SIGTERM / SIGUSR1 (SLURM preemption, scancel) and SIGINT (Ctrl-C): finish the step, checkpoint, exit
+    cleanly. A SIGINT more than ECHO_S after the first stop signal aborts at once, without a checkpoint (as kill -9
+    would: the last complete checkpoint stays latest); within ECHO_S it is the same Ctrl-C passed on by torchrun,
+    which forwards the signal it got to every worker. `restore()` puts the previous handlers back."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    ECHO_S = 0.5
 
     def __init__(self):
         self.signal = None
+        self._since = 0.0
         self._pending = None  # (work, flags) of the all-reduce started at the last check
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
 
     def _handler(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        if self.signal is not None:
+            if signum == signal.SIGINT and time.monotonic() - self._since > self.ECHO_S:
+                os.write(2, b"second interrupt: stopped at once, without a checkpoint; re-run the same command to "
+                            b"resume from the last complete checkpoint\n")
+                os._exit(128 + signal.SIGINT)
+            return
+        self.signal, self._since = signal.Signals(signum).name, time.monotonic()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def requested(self, group, save_due: bool = False) -> tuple[bool, bool]:
         """(stop, save_due): stop is True on every rank once any rank got a signal; save_due is rank 0's
@@ -101,7 +120,8 @@ def _host_group(world: int):
 def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
     use_cuda = torch.cuda.is_available() and cfg.parallel.device != "cpu"
     if cfg.parallel.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("parallel.device=cuda but no CUDA device is visible")
+        raise ConfigError("invalid config parallel.device='cuda': no CUDA device is visible; use parallel.device=auto "
+                          "or cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if use_cuda:
@@ -110,6 +130,7 @@ def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
     if world > 1 and not dist.is_initialized():
         backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
         dist.init_process_group(backend)
+        record_peers()
     return device, rank, world
 
 
@@ -150,7 +171,7 @@ def lr_factor(step: int, plan: Plan) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _loss_impl(cfg: Config, device: torch.device, rank: int) -> str:
+def _loss_impl(cfg: Config, device: torch.device) -> str:
     """train.loss resolved for this device (auto: see logo.model.lm_head; plain under tensor
     parallelism, whose vocab-split LM head returns logits)."""
     if cfg.parallel.tp > 1:
@@ -161,13 +182,10 @@ def _loss_impl(cfg: Config, device: torch.device, rank: int) -> str:
     else:
         impl = None
     try:
-        impl = impl or resolve_loss_impl(cfg.train.loss, device,
+        return impl or resolve_loss_impl(cfg.train.loss, device,
                                          cfg.train.micro_batch * cfg.stage.seq_len * cfg.model.padded_vocab_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if rank == 0:
-        log.info("LM loss: %s (train.loss=%s)", impl, cfg.train.loss)
-    return impl
 
 
 def _fsdp_options(cfg: Config) -> dict:
@@ -232,32 +250,43 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     `on_step_end(step)` is called after every step (benchmarks/profile_step.py steps its profiler with it);
     `save_final=False` skips the checkpoint after the last step (benchmarks)."""
     device, rank, world = _setup_distributed(cfg)
-    loss_impl = _loss_impl(cfg, device, rank)  # fails here, before the run directory is locked
+    loss_impl = _loss_impl(cfg, device)  # fails here, before the run directory is looked at
     if cfg.train.cuda_graphs and world > 1:
         raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with {world} ranks: CUDA graphs of "
                           "the blocks need one device (FSDP and tensor parallelism communicate inside them); use "
                           "train.compile_mode=default")
     plan = make_plan(cfg, world, attention_name, device)
     check_data(cfg)
-    lock = _lock_run_dir(Path(plan.run_dir), rank, world, cfg.run.lock_stale_minutes)
-    try:
-        return _train(cfg, resolved, plan, device, rank, world, loss_impl, on_step_end, save_final)
-    finally:
-        if lock is not None:
+    rank0_decides(lambda: _run_dir_call(plan.run_dir, lambda: RunLock(Path(plan.run_dir)).check_free()),
+                  (RunDirLocked, ConfigError))  # a live run there: say so before reading its files
+    return _train(cfg, resolved, plan, device, rank, world, loss_impl, on_step_end, save_final)
+
+
+def _lock_run_dir(run_dir: Path, stale_minutes: float, checked: list[str]):
+    """Rank 0 takes the run directory's lock once every check of the launch has passed, before anything is
+    written there; every rank fails together. `checked`: the complete checkpoints the checks saw; another
+    launch that changed them in the meantime makes this one stop (re-run it)."""
+    def take() -> RunLock:
+        lock = take_run_dir(run_dir, stale_minutes)
+        now = [p.name for p in complete_checkpoints(run_dir / "checkpoints")]
+        if now != checked:
             lock.release()
-
-
-def _lock_run_dir(run_dir: Path, rank: int, world: int, stale_minutes: float):
-    """Rank 0 takes the run directory's lock before anything is written there; every rank fails together (a
-    directory that cannot be created or written: one line naming run.dir)."""
-    return rank0_decides(lambda: take_run_dir(run_dir, stale_minutes), (RunDirLocked, ConfigError),
-                         share_result=False)
+            raise RunDirLocked(f"run directory {run_dir} changed while this launch checked it (checkpoints "
+                               f"{', '.join(checked) or 'none'} -> {', '.join(now) or 'none'}): another launch wrote "
+                               f"there; re-run the same command")
+        return lock
+    return rank0_decides(take, (RunDirLocked, ConfigError), share_result=False)
 
 
 def take_run_dir(run_dir: Path, stale_minutes: float) -> RunLock:
     """The run directory's lock; ConfigError naming run.dir when the directory cannot be created or written."""
+    return _run_dir_call(run_dir, lambda: RunLock(run_dir, 60 * stale_minutes).acquire())
+
+
+def _run_dir_call(run_dir, fn):
+    """fn(), an OSError turned into a ConfigError naming run.dir."""
     try:
-        return RunLock(run_dir, 60 * stale_minutes).acquire()
+        return fn()
     except OSError as e:
         raise ConfigError(f"invalid config run.dir={str(run_dir)!r}: it cannot be created or written "
                           f"({type(e).__name__}: {e.strerror or e}); choose a writable directory") from None
@@ -357,17 +386,42 @@ class _StepLog:
 
 def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: int, world: int, loss_impl: str,
            on_step_end, save_final: bool) -> dict:
+    """Every check first (checkpoints, drift, extension, data, the checkpoint's contents), then the run directory's
+    lock and its files: a refused launch creates and changes nothing there."""
     run_dir = Path(plan.run_dir)
-    ckpt, latest, init_from = _open_run(cfg, resolved, plan, rank, world)
+    ckpt, latest, init_from = _open_run(cfg, resolved, plan, world)
+    checked = [p.name for p in ckpt.complete()]
     b = _build(cfg, resolved, plan, device, rank, world)
-    _resume(b, ckpt, latest, init_from, rank)
-    return _run(cfg, resolved, plan, run_dir, b, ckpt, device, rank, world, loss_impl, on_step_end, save_final)
+    try:
+        _resume(b, ckpt, latest, init_from, rank)
+        lock = _lock_run_dir(run_dir, cfg.run.lock_stale_minutes, checked)
+    except BaseException:
+        b.loader.close()  # its prefetch thread; the loop closes it otherwise
+        raise
+    try:
+        if rank == 0:
+            _write_run_files(run_dir, plan, resolved)
+            log.info("LM loss: %s (train.loss=%s)", loss_impl, cfg.train.loss)
+            log.info("plan:\n%s", plan.table())
+            if world > 1:
+                log.info("%s", b.dims.describe())
+        return _run(cfg, resolved, plan, run_dir, b, ckpt, device, rank, world, loss_impl, on_step_end, save_final)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
-def _open_run(cfg: Config, resolved: dict, plan: Plan, rank: int, world: int):
+def _write_run_files(run_dir: Path, plan: Plan, resolved: dict) -> None:
+    """plan.json and config.yaml, each replaced whole (never half-written)."""
+    plan.write(run_dir)
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(resolved))
+    os.replace(tmp, run_dir / "config.yaml")
+
+
+def _open_run(cfg: Config, resolved: dict, plan: Plan, world: int):
     """(checkpointer, checkpoint to resume from or None, init_from or None), checked before anything is built
-    so that a bad path or a drifted config fails at once; rank 0 then writes plan.json and config.yaml. Resume
-    wins over init_from."""
+    so that a bad path or a drifted config fails at once; nothing is written. Resume wins over init_from."""
     run_dir = Path(plan.run_dir)
     ck = cfg.checkpoint
     ckpt = Checkpointer(run_dir, ck.keep, ck.async_mode, ck.writer_threads,
@@ -378,10 +432,6 @@ def _open_run(cfg: Config, resolved: dict, plan: Plan, rank: int, world: int):
         saved = read_train_state(latest)
         _check_resume(saved, latest, resolved, run_dir)
         check_prior_run(saved, latest, ck.init_from, cfg.run.extend, plan.steps, run_dir)
-    if rank == 0:
-        plan.write(run_dir)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        log.info("plan:\n%s", plan.table())
     return ckpt, latest, init_from
 
 
@@ -395,8 +445,6 @@ def _build(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     model.init_weights()
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
     dims = ParallelDims.build(world, cfg.parallel.tp, cfg.parallel.cp, device.type)
-    if rank == 0 and world > 1:
-        log.info("%s", dims.describe())
     dp_mesh = dims.submesh("dp_shard_cp")
     parallelize(model, dp_mesh, torch.bfloat16 if bf16 else torch.float32,
                 cfg.train.activation_checkpointing, cfg.train.compile, fsdp=_fsdp_options(cfg),
@@ -451,7 +499,7 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
         state.wandb_id = metrics_log.wandb_id
     stop = _StopRequest()
     bar = None
-    if rank == 0 and cfg.logging.progress_bar:
+    if rank == 0 and cfg.logging.progress_bar and sys.stderr.isatty():  # logs get the line per logging.interval
         bar = tqdm(total=plan.steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True, leave=False)
     step_log = _StepLog(plan, cfg.model, peak_bf16_flops(torch.cuda.get_device_name()) if device.type == "cuda"
                         else None, world, device, b.ctrl, b.host_group, metrics_log, bar)
@@ -535,6 +583,7 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
             if state.step:
                 heatmap = metrics_log.heatmap(state.step)
             metrics_log.close()
+        stop.restore()
     step = state.step
     if rank == 0 and last:  # a launch that logged nothing leaves the earlier final metrics as they are
         atomic_write_json(run_dir / "final_metrics.json", {"step": step, **last})
