@@ -3,6 +3,8 @@
     LOGO_FAULT=slow_write:STEP:SECONDS   DCP's FileSystemWriter sleeps before writing step STEP (a slow disk)
     LOGO_FAULT=enospc:STEP               writing step STEP writes part of a shard, then fails with ENOSPC
     LOGO_FAULT=slow_rename:STEP:SECONDS  sleeps after step STEP is written, just before its rename
+    LOGO_FAULT=die:STEP:RANK             rank RANK kills itself (SIGKILL) in step STEP's update, in the first
+                                         attempt of a torchrun --max-restarts job only
     LOGO_FAULT_RELEASE=PATH              the slow faults' sleep ends early once PATH exists (a test that has seen
                                          what it waits for lets the write go on instead of waiting it out)
 
@@ -58,6 +60,17 @@ def _install(fault: str) -> None:
             if hits(path) and str(path).endswith(".tmp"):
                 _stall(float(rest[0]))
         ck.fsync_dir = slow_fsync
+    elif kind == "die":
+        import signal
+        import logo.train.step as st
+        update = st.optimizer_step
+
+        def die(opt, sched, ctrl, out, monitor, n):
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if n == int(step) and os.environ.get("RANK") == rest[0] and first_attempt:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return update(opt, sched, ctrl, out, monitor, n)
+        st.optimizer_step = die  # before train.py imports the trainer, which takes it by name
     else:
         raise SystemExit(f"unknown LOGO_FAULT {fault!r}")
 

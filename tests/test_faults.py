@@ -365,6 +365,51 @@ def test_a_dead_peer_rank_is_named_in_one_line(tmp_path, default_corpus):
     assert "ChildFailedError" in err  # torchrun's report stays
 
 
+def test_a_hung_peer_rank_ends_the_run_within_the_timeout(tmp_path, default_corpus):
+    """Rank 1 of a two-process run stops answering (SIGSTOP) after step 2: rank 0's next collective times out after
+    parallel.timeout_s (the run's timeout from the second step on), it says so in one line and exits, and torchrun
+    ends the job: bounded by the timeout and torchrun's grace period, not by the 30-minute default."""
+    import signal
+    import time
+    from conftest import train_cmd, train_env
+    d = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(*TINY_RUN, "train.steps=50", "eval.interval=0", "checkpoint.interval=1000",
+                                      "parallel.timeout_s=5", f"run.dir={d}", nproc=2),
+                            cwd=ROOT, env=train_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_train(lambda: logged(d, 2), proc)
+    pid = _rank_pid(proc.pid, 1)
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        out, err = proc.communicate(timeout=150)
+    finally:
+        os.kill(pid, signal.SIGKILL) if Path(f"/proc/{pid}").exists() else None
+    assert proc.returncode != 0 and time.time() - t0 < 100
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: a collective of rank 0 timed out (parallel.timeout_s): another rank stopped answering "
+                      "(hung, or stuck in a slow step); rank 0 stops; the last complete checkpoint stays latest: re-run "
+                      "the same command to resume"], err[-4000:]
+    assert "train.py\", line" not in err
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_resume_from_the_last_checkpoint(tmp_path, default_corpus):
+    """torchrun --max-restarts=1: rank 1 dies in step 5 of the first attempt; torchrun restarts both ranks, which
+    resume from the step-4 checkpoint and finish with the losses of a run that never failed."""
+    from conftest import train_env
+    args = [*TINY_RUN, "train.steps=6", "eval.interval=0", "checkpoint.interval=2"]
+    run_train(*args, f"run.dir={tmp_path / 'clean'}", nproc=2, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(ROOT / "tests" / "fault_entry.py"), *args, f"run.dir={tmp_path / 'restarted'}"]
+    p = subprocess.run(cmd, cwd=ROOT, env=train_env(2, {"LOGO_FAULT": "die:5:1"}), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stderr + p.stdout
+    clean = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "clean")}
+    restarted = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "restarted")}  # steps 5-6 logged again
+    assert restarted == clean
+
+
 def _rank_pid(launcher: int, rank: int) -> int:
     """The pid of the worker process of `rank` started by the torchrun process `launcher`."""
     for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():

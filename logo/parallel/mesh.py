@@ -10,6 +10,7 @@ which is "cuda" even without GPUs, so it cannot build the gloo/CPU mesh of CPU r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 from collections.abc import Callable
 
@@ -91,3 +92,15 @@ def sum_over_ranks(group: Optional[dist.ProcessGroup]) -> Callable[[torch.Tensor
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return t
     return reduce
+
+
+def set_timeouts(seconds: float) -> None:
+    """Every process group of this process (the default one, the mesh's, the gloo side groups) times its collectives
+    out after `seconds`, once all ranks got here (a barrier first: no rank may start a collective under the short
+    timeout while another still works under the long one). torchtitan does the same after its first step."""
+    device_ids = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else None
+    dist.barrier(device_ids=device_ids)
+    if device_ids:
+        torch.cuda.synchronize()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -119,6 +119,14 @@ class ParallelConfig:
     # (FSDP2: weights, gradients and optimizer states sharded, bf16 weights all-gathered per unit), or auto: replicate
     # when tp=1 and the unsharded training state fits the GPU (`logo.parallel.memory`), else shard.
     data_parallel: str = "auto"
+    # Collective timeouts (seconds): during start-up and the first step (compilation), then for the rest of the run.
+    # A rank that dies or hangs makes the others fail within timeout_s; torchrun's --max-restarts or a SLURM
+    # requeue then resumes from the last complete checkpoint.
+    init_timeout_s: float = 300.0
+    timeout_s: float = 100.0
+    # NCCL flight recorder: the last N collectives of every rank, dumped to <run_dir>/comm_traces/ when a collective
+    # times out (0: off)
+    flight_recorder: int = 20000
     # FSDP2 (data_parallel=shard)
     reshard_after_forward: str = "auto"  # auto: every unit but the last block and norm+head | always | never
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype: fp32 | bf16 (half the bytes, bf16-rounded sums)
@@ -300,6 +308,11 @@ def validate(c: Config) -> None:
         _fail("parallel.backend", c.parallel.backend, "choose auto, nccl or gloo")
     if c.parallel.device not in ("auto", "cpu", "cuda"):
         _fail("parallel.device", c.parallel.device, "choose auto, cpu or cuda")
+    for name in ("init_timeout_s", "timeout_s"):
+        if not getattr(c.parallel, name) > 0:
+            _fail(f"parallel.{name}", getattr(c.parallel, name), "must be > 0 seconds")
+    if c.parallel.flight_recorder < 0:
+        _fail("parallel.flight_recorder", c.parallel.flight_recorder, "must be >= 0 (collectives recorded; 0: off)")
     if c.parallel.data_parallel not in ("auto", "replicate", "shard"):
         _fail("parallel.data_parallel", c.parallel.data_parallel, "choose auto, replicate or shard")
     if c.parallel.data_parallel == "replicate" and c.parallel.tp > 1:

@@ -1,5 +1,6 @@
 """The processes behind the ranks of a distributed run, so that a rank whose collective failed because a peer died
-can name the rank that died in one line (torchrun's own report still says how it ended)."""
+can name the rank that died in one line, or say that its collective timed out (torchrun's own report still says how
+it ended)."""
 from __future__ import annotations
 
 import os
@@ -49,18 +50,21 @@ def dead_peers(wait_s: float = 2.0) -> list[int]:
 
 
 def lost_peer_message(error: BaseException) -> Optional[str]:
-    """One line naming the rank(s) that died, when `error` came from a collective of a distributed run that lost
-    a peer; None otherwise (a single process, or every peer still alive)."""
+    """One line naming the rank(s) that died, or saying that a collective timed out, when `error` came from a
+    collective of a distributed run that lost a peer; None otherwise (a single process, or another error)."""
     if len(_PEERS) < 2 or not isinstance(error, (RuntimeError, ConnectionError)):
         return None
     dead = dead_peers()
     remote = re.search(r"Connection (?:closed|reset) by peer \[([^\]]+)\]", str(error))  # gloo's words
+    me = next((r for r, peer in enumerate(_PEERS) if peer == (socket.gethostname(), os.getpid())), "?")
+    resume = "the last complete checkpoint stays latest: re-run the same command to resume"
     if dead:
         who = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
     elif remote:
         who = f"the rank at {remote.group(1)}"  # on another host: its process cannot be looked at from here
+    elif re.search(r"timed out|timeout", str(error), re.IGNORECASE):
+        return (f"a collective of rank {me} timed out (parallel.timeout_s): another rank stopped answering (hung, or "
+                f"stuck in a slow step); rank {me} stops; {resume}")
     else:
         return None
-    me = next((r for r, peer in enumerate(_PEERS) if peer == (socket.gethostname(), os.getpid())), "?")
-    return (f"{who} of this run died; rank {me} stops too (its last collective failed); the last complete checkpoint "
-            f"stays latest: re-run the same command to resume")
+    return f"{who} of this run died; rank {me} stops too (its last collective failed); {resume}"

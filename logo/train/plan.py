@@ -107,6 +107,11 @@ def run_name(cfg: Config, attention_name: str) -> str:
     return f"{base}-{cfg.stage.name}"
 
 
+def planned_run_dir(cfg: Config, attention_name: str = "") -> str:
+    """run.dir, else runs/<run_name>."""
+    return cfg.run.dir or str(Path("runs") / run_name(cfg, attention_name or cfg.model.attention.kind))
+
+
 def attention_kernels(cfg: Config, device: torch.device) -> str:
     """The attention kernels this run uses on `device` (one line; ConfigError where attention.backend cannot run)."""
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
@@ -153,7 +158,7 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
     data_parallel = data_parallel_mode(cfg.model, s.seq_len, micro, dims.dp, dims.cp, dims.tp,
                                        cfg.parallel.data_parallel, gpu_memory_gib(device), t.activation_checkpointing)
     name = run_name(cfg, attention_name or cfg.model.attention.kind)
-    run_dir = cfg.run.dir or str(Path("runs") / name)
+    run_dir = planned_run_dir(cfg, attention_name)
     return Plan(run_name=name, run_dir=run_dir, world_size=world_size, dp=dims.dp, tp=dims.tp, cp=dims.cp,
                 data_parallel=data_parallel,
                 params_total=total, params_non_embedding=non_emb, seq_len=s.seq_len, tokens_total=tokens,

@@ -19,6 +19,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -38,6 +39,7 @@ from logo.model import BudgetController, Transformer
 from logo.model.flops import mfu, peak_bf16_flops, realized_ratios
 from logo.model.lm_head import resolve_loss_impl
 from logo.parallel import ParallelDims, parallelize, sum_over_ranks
+from logo.parallel.mesh import set_timeouts
 from logo.parallel.memory import estimate, fit_hint
 from logo.run.checkpoint import (CheckpointError, agreed, complete_checkpoints, load_model_only, read_train_state,
                                  resolve_checkpoint)
@@ -48,13 +50,14 @@ from logo.train.checkpoint import Checkpointer
 from logo.train.heldout import HeldOutEval
 from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
 from logo.train.peers import record_peers
-from logo.train.plan import Plan, make_plan
+from logo.train.plan import Plan, make_plan, planned_run_dir
 from logo.train.rundir import RunDirLocked, RunLock, check_prior_run, config_drift
 from logo.train.state import TrainState
 from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
                              read_back, spread, train_step)
 
 log = logging.getLogger("logo")
+COMM_TRACES = "comm_traces"  # the NCCL flight recorder's dumps, in the run directory
 __all__ = ["TrainingDiverged", "train", "dry_run", "lr_factor"]
 
 
@@ -117,7 +120,30 @@ def _host_group(world: int):
     return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
-def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
+def _nccl_fault_settings(cfg: Config, run_dir: Path) -> None:
+    """Environment NCCL reads when its process group starts (as torchtitan sets it; a value already in the
+    environment wins): a timed-out collective tears the process down, and with the flight recorder on, every rank
+    first dumps its last `parallel.flight_recorder` collectives to <run_dir>/comm_traces/rank_<r> (the folder is
+    made once the run directory is locked)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the flight recorder needs 3 (no cleanup)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.parallel.flight_recorder))
+    if cfg.parallel.flight_recorder:
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(run_dir.resolve() / COMM_TRACES / "rank_"))
+
+
+def _restart_store(rank: int, world: int) -> dict:
+    """Under torchrun after a restart (--max-restarts), the process group's keys in a store of their own attempt:
+    torchrun's store outlives its workers, and a restarted rank could otherwise read the address a rank of the
+    failed attempt published and wait for it for ever. {} otherwise (env:// as usual)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or "MASTER_ADDR" not in os.environ:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    return {"store": dist.PrefixStore(f"logo/attempt_{attempt}", store), "rank": rank, "world_size": world}
+
+
+def _setup_distributed(cfg: Config, run_dir: Path) -> tuple[torch.device, int, int]:
     use_cuda = torch.cuda.is_available() and cfg.parallel.device != "cpu"
     if cfg.parallel.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("invalid config parallel.device='cuda': no CUDA device is visible; use parallel.device=auto "
@@ -129,7 +155,10 @@ def _setup_distributed(cfg: Config) -> tuple[torch.device, int, int]:
     device = torch.device("cuda") if use_cuda else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
-        dist.init_process_group(backend)
+        if backend == "nccl":
+            _nccl_fault_settings(cfg, run_dir)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.init_timeout_s),
+                                **_restart_store(rank, world))
         record_peers()
     return device, rank, world
 
@@ -249,7 +278,7 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     """Run (or resume) the training described by cfg; returns the final metrics.
     `on_step_end(step)` is called after every step (benchmarks/profile_step.py steps its profiler with it);
     `save_final=False` skips the checkpoint after the last step (benchmarks)."""
-    device, rank, world = _setup_distributed(cfg)
+    device, rank, world = _setup_distributed(cfg, Path(planned_run_dir(cfg, attention_name)))
     loss_impl = _loss_impl(cfg, device)  # fails here, before the run directory is looked at
     if cfg.train.cuda_graphs and world > 1:
         raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with {world} ranks: CUDA graphs of "
@@ -405,6 +434,8 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
             log.info("plan:\n%s", plan.table())
             if world > 1:
                 log.info("%s", b.dims.describe())
+            if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
+                (run_dir / COMM_TRACES).mkdir(exist_ok=True)
         return _run(cfg, resolved, plan, run_dir, b, ckpt, device, rank, world, loss_impl, on_step_end, save_final)
     finally:
         if lock is not None:
@@ -523,6 +554,8 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
                 optimizer_step(b.opt, state.lr_scheduler, b.ctrl, out, monitor, state.step + 1)
             state.step += 1
             step = state.step
+            if step == start_step + 1 and world > 1:  # start-up and compilation are over: the run's timeout
+                set_timeouts(cfg.parallel.timeout_s)
             if step == start_step + 1:  # the first step of the process (its time also holds compilation)
                 with phase("checkpoint"):
                     prestage_s = ckpt.prestage(b.model, b.opt)
