@@ -115,9 +115,11 @@ class ShardWriter:
         return shard
 
     def discard(self):
-        """Close and remove the shard being written (an interrupted or failed preparation)."""
+        """Close and remove the shard being written (an interrupted or failed preparation), its index too when the
+        interruption came while `finish` wrote it."""
         self.f.close()
         self.bin_tmp.unlink(missing_ok=True)
+        (self.out / f"{self.name}.idx.tmp").unlink(missing_ok=True)
 
 
 def _our_files(out: Path, suffix: str = "*") -> list[Path]:

@@ -86,9 +86,10 @@ def _worker(rank, port, out_dir, layout, kind, compiled, bf16=False):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", [pytest.param("full", marks=pytest.mark.slow), "logo"])
-@pytest.mark.parametrize("layout,compiled", [((2, 1), False), ((2, 1), True), ((1, 2), False)],
-                         ids=["tp2", "tp2_compiled", "cp2"])
+@pytest.mark.parametrize("kind,layout,compiled", [
+    pytest.param("full", (2, 1), False, marks=pytest.mark.slow), ("logo", (2, 1), False), ("logo", (2, 1), True),
+    pytest.param("full", (1, 2), False, marks=pytest.mark.slow), ("logo", (1, 2), False)],
+    ids=["tp2-full", "tp2-logo", "tp2_compiled-logo", "cp2-full", "cp2-logo"])
 def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, compiled, kind):
     mp.spawn(_worker, args=(free_port(), str(tmp_path), layout, kind, compiled), nprocs=2, join=True)
     model, mb = build(kind), micro_batch()

@@ -1,6 +1,6 @@
 """2-process torchrun data parallelism on CPU (gloo) == one process on the same global batch: FSDP2 with the
 default options and with every other choice of them (reshard, explicit prefetch depth, bf16 reduction,
-synchronous data loading), and replication (DDP), also with gradient accumulation (its no-sync micro-batch)."""
+synchronous data loading), and replication (DDP) with gradient accumulation (its no-sync micro-batch)."""
 import json
 
 import pytest
@@ -16,7 +16,6 @@ OPTIONS = {  # name: (overrides, relative tolerance of loss and grad norm vs the
                               "parallel.backward_prefetch=2", "parallel.reduce_dtype=bf16"], 1e-2),
     "always_implicit_sync_data": (["parallel.reshard_after_forward=always", "parallel.forward_prefetch=0",
                                    "parallel.backward_prefetch=0", "data.prefetch=false"], 1e-4),
-    "replicate": (["parallel.data_parallel=replicate"], 1e-4),
     "replicate_accumulating": (["parallel.data_parallel=replicate", "train.micro_batch=1"], 1e-4),
 }
 
