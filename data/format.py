@@ -31,12 +31,17 @@ def shard_name(split: str, i: int) -> str:
 
 
 def atomic_write_json(path: Path, obj) -> None:
+    """Write `obj` to `path` through a .tmp beside it; an interruption (Ctrl-C included) leaves no .tmp behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_json(path: Path, what: str) -> dict:
