@@ -100,14 +100,14 @@ class Plan:
 
 
 def run_name(cfg: Config, attention_name: str) -> str:
-    """Deterministic (never a timestamp): run.name, else <experiment> or <model>-<attention>[-<corpus folder>]
-    (a prepared corpus other than the embedded one), plus the stage."""
+    """Deterministic (never a timestamp): run.name, else <experiment> or <model>-<attention>[-<corpus folder>|-mix]
+    (a prepared corpus other than the embedded one, or a mixture), plus the stage."""
     if cfg.run.name:
         return cfg.run.name
     if cfg.experiment:
         base = cfg.experiment.replace("/", "-")
     else:
-        corpus = f"-{Path(cfg.data.path.rstrip('/')).name or 'shards'}" if cfg.data.kind == "shards" else ""
+        corpus = {"shards": f"-{Path(cfg.data.path.rstrip('/')).name or 'shards'}", "mix": "-mix"}.get(cfg.data.kind, "")
         base = f"{cfg.model.name}-{attention_name}{corpus}"
     return f"{base}-{cfg.stage.name}"
 
