@@ -7,8 +7,8 @@ seed, evaluate every run, write the family's report (docs/mini.md).
 Runs are composed as launch/sweep.sh composes them (run names `<run name>-seed<k>`, `train.seed` and `data.seed`
 per seed). One run per GPU (CUDA_VISIBLE_DEVICES), queued when there are more runs than GPUs; without GPUs
 (or --gpus 0) one after another on the CPU. A run's evaluations (launch/study_eval.py) follow its training on
-the same GPU; the report (`python -m logo.report RUN... --family F`) comes last. Every step writes its own log
-under --log-dir and prints one line when it starts and one when it ends. A finished run is not retrained
+the same GPU; the report (`python -m logo.report RUN... --family F`) comes last. Every step appends to its own
+log under --log-dir and prints one line when it starts and one when it ends. A finished run is not retrained
 (train.py finds it complete and exits; an unfinished one resumes from its last checkpoint), so the same command
 picks up where an interrupted one stopped. A failed step is one line naming its log; the other runs go on, and
 the command exits 2 without a report. Bad arguments: one line, exit 2. Ctrl-C: the running steps are stopped
@@ -183,7 +183,9 @@ def launcher(extra_env: Optional[dict] = None) -> Callable[[Step, str], subproce
     def start(step: Step, slot: str) -> subprocess.Popen:
         step.log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(extra_env or {}), "CUDA_VISIBLE_DEVICES": slot, "PYTHONUNBUFFERED": "1"}
-        with open(step.log, "w") as log:
+        with open(step.log, "a") as log:  # a resumed run's log keeps its earlier attempts
+            log.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(step.cmd)}\n")
+            log.flush()
             return subprocess.Popen(step.cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
     return start
@@ -266,7 +268,7 @@ def main(argv: list[str]) -> int:
             return 2
         report = Step("report", [sys.executable, "-m", "logo.report", *(str(j.run_dir) for j in jobs),
                                  "--family", a.family.split("/")[0], "--out", str(out)], log_dir / "report.log")
-        (job,) = run_queue([Job("report", [report])], [slots[0]], start, progress)
+        (job,) = run_queue([Job(f"of {len(jobs)} runs", [report])], [slots[0]], start, progress)
         if job.failed:
             return 2
     except KeyboardInterrupt:

@@ -84,7 +84,9 @@ def test_the_queue_gives_each_job_one_free_gpu_and_runs_its_steps_there(tmp_path
         else:
             assert running.pop(slot) == job
     for _, _, step, slot, _ in starts:  # the step saw only its own GPU
-        assert (tmp_path / f"{step}.log").read_text().strip() == slot
+        header, seen = (tmp_path / f"{step}.log").read_text().splitlines()
+        assert header.startswith("== ") and "time.sleep" in header  # the command, then its output
+        assert seen == slot
     assert len(starts) == 9 and not running
 
 
@@ -168,5 +170,5 @@ def test_the_tiny_study_trains_evaluates_and_reports_every_arm(tmp_path):
         assert (out / "report.md").is_file() and lines[-1].endswith(f"report: {out}/report.md")
     else:  # the report family is not on this branch yet
         assert p.returncode == 2, (p.stdout, p.stderr)
-        assert lines[-1].endswith(f"FAILED report report: exit code 2; see {logs}/report.log"), p.stdout
+        assert lines[-1].endswith(f"FAILED report of 4 runs: exit code 2; see {logs}/report.log"), p.stdout
         assert "--family" in (logs / "report.log").read_text()
