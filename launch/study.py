@@ -11,8 +11,8 @@ the same GPU; the report (`python -m logo.report RUN... --family F`) comes last.
 log under --log-dir and prints one line when it starts and one when it ends. A finished run is not retrained
 (train.py finds it complete and exits; an unfinished one resumes from its last checkpoint), so the same command
 picks up where an interrupted one stopped. A failed step is one line naming its log; the other runs go on, and
-the command exits 2 without a report. Bad arguments: one line, exit 2. Ctrl-C: the running steps are stopped
-(train.py saves a checkpoint on SIGTERM), one line, exit 130.
+the command exits 2 without a report. Bad arguments: one line, exit 2. Ctrl-C (or SIGTERM): the running steps
+are stopped (train.py saves a checkpoint on SIGTERM), one line, exit 130.
 """
 from __future__ import annotations
 
@@ -243,6 +243,10 @@ class Progress:
         print(f"[{s // 60:3d}:{s % 60:02d}] {text}", flush=True)
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the study): stop the steps as for Ctrl-C
+
+
 def main(argv: list[str]) -> int:
     try:
         a = parse_args(argv)
@@ -255,6 +259,9 @@ def main(argv: list[str]) -> int:
     except (ArgError, SweepError, StudyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was started", file=sys.stderr)
+        return INTERRUPTED
     progress = Progress()
     where = f"{len(slots)} GPU{'s' * (len(slots) != 1)}" if slots != [""] else "the CPU"
     progress.line(f"{a.family} ({a.size}): {len(jobs)} runs on {where}; logs in {log_dir}")
@@ -283,4 +290,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminated)
     sys.exit(main(sys.argv[1:]))

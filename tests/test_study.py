@@ -126,7 +126,8 @@ def test_a_run_is_evaluated_on_its_corpus_its_synthetic_sources_and_ruler_at_its
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_study_and_its_training_run(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_the_study_and_its_training_run(tmp_path, sig):
     p = subprocess.Popen([sys.executable, "-m", "launch.study", "mini", "--size", "tiny", "--seeds", "0",
                           "--runs-dir", str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs")], cwd=ROOT,
                          env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -135,7 +136,7 @@ def test_ctrl_c_stops_the_study_and_its_training_run(tmp_path):
         lines.append(line)
         if "start train" in line:
             break
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130, (lines, out, err)
     assert err.count("\n") == 1 and err.startswith("interrupted: the running steps were stopped"), err
