@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Optional
@@ -74,7 +74,6 @@ class Job:
     run_dir: Optional[Path] = None
     failed: Optional[Step] = None
     code: int = 0
-    done: list = field(default_factory=list)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -86,7 +85,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every visible one; 0: the CPU)")
     ap.add_argument("--runs-dir", default="runs", help="run directories go here (default: runs/)")
     ap.add_argument("--out", default="", help="the report folder (default: reports/<family>[-<size>])")
-    ap.add_argument("--log-dir", default="", help="logs of every step (default: logs/study/<family>-<size>)")
+    ap.add_argument("--log-dir", default="", help="logs of every step (default: logs/study/<family>[-<size>])")
     split = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:split])
     a.overrides = argv[split + 1:]
@@ -142,7 +141,6 @@ def run_queue(jobs: list[Job], slots: list[str], start: Callable[[Step, str], su
                 elif i + 1 < len(job.steps):
                     running[slot] = (job, i + 1, _start(job, i + 1, slot, start, event))
                     continue
-                job.done.append(step)
                 del running[slot]
                 free.append(slot)
                 free.sort(key=slots.index)
