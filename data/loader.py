@@ -158,6 +158,60 @@ class ShardDataset:
         return np.concatenate(found) if found else np.zeros(0, np.int64)
 
 
+def valid_lengths(ds, instances: np.ndarray, T: int) -> np.ndarray:
+    """(M,) int64 valid positions (= valid targets) of the rows for instance ids (M,) of a token stream `ds`
+    (instance i = tokens [i*T, i*T+T+1)); -1 (padding) -> 0."""
+    avail = np.minimum(T + 1, ds.num_tokens - instances.astype(np.int64) * T)
+    return np.where(instances < 0, 0, avail - 1)
+
+
+def rows_batch(ds, instances: np.ndarray, T: int, document_mask: bool = True) -> Batch:
+    """Rows for instance ids (M,) of a token stream `ds` (a `ShardDataset`, or any object with its `read`,
+    `doc_boundaries`, `num_tokens` and `eos`); an id of -1 is a padding row. Windows cut by the end of the stream
+    (eval only) are padded with EOS, valid=False, label -100. `cu_seqlens`: every document start inside the rows
+    plus every row boundary (and the start of a row's padding), when `document_mask`."""
+    windows = np.full((len(instances), T + 1), ds.eos, dtype=np.int64)  # (M, T+1)
+    n_valid = valid_lengths(ds, instances, T)  # (M,) valid input positions per row
+    for r, i in enumerate(instances.tolist()):
+        if i >= 0:
+            ds.read(i * T, int(n_valid[r]) + 1, out=windows[r, :n_valid[r] + 1])
+    inputs = torch.from_numpy(windows[:, :-1].copy())
+    labels = torch.from_numpy(windows[:, 1:].copy())
+    if (n_valid == T).all():
+        valid = torch.ones(inputs.shape, dtype=torch.bool)
+    else:
+        valid = torch.arange(T)[None, :] < torch.from_numpy(n_valid)[:, None]  # (M, T) bool
+        labels[~valid] = IGNORE_INDEX
+    cu = None
+    if document_mask:
+        offs = [0]
+        for r, i in enumerate(instances.tolist()):
+            nv = int(n_valid[r])
+            if nv > 0:
+                offs.extend((ds.doc_boundaries(i * T, nv) + r * T).tolist())
+            if 0 < nv < T:
+                offs.append(r * T + nv)  # padding is a segment of its own
+            offs.append((r + 1) * T)
+        cu = torch.tensor(offs, dtype=torch.int32)  # (S+1,) int32
+    return Batch(inputs, labels, cu, valid)
+
+
+def concat_rows(parts: list[Batch]) -> Batch:
+    """The rows of several batches of one row length, in order, as one batch (document offsets shifted)."""
+    if len(parts) == 1:
+        return parts[0]
+    T = parts[0].inputs.shape[1]
+    cu = None
+    if parts[0].cu_seqlens is not None:
+        offs, base = [], 0
+        for b in parts:
+            offs.append(b.cu_seqlens[:-1] + base * T)
+            base += b.inputs.shape[0]
+        cu = torch.cat(offs + [torch.tensor([base * T], dtype=torch.int32)])  # (S+1,) int32
+    return Batch(torch.cat([b.inputs for b in parts]), torch.cat([b.labels for b in parts]), cu,
+                 torch.cat([b.valid for b in parts]))
+
+
 class TokenLoader:
     def __init__(self, dataset: ShardDataset, seq_len: int, global_batch: int, micro_batch: int,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, document_mask: bool = True):
@@ -192,38 +246,10 @@ class TokenLoader:
         return self._epoch_order(epoch)[i * self.G:(i + 1) * self.G]
 
     def _valid_lengths(self, instances: np.ndarray) -> np.ndarray:
-        """(M,) int64 valid positions (= valid targets) of the rows for instance ids (M,); -1 (padding) -> 0."""
-        avail = np.minimum(self.T + 1, self.ds.num_tokens - instances.astype(np.int64) * self.T)
-        return np.where(instances < 0, 0, avail - 1)
+        return valid_lengths(self.ds, instances, self.T)
 
     def _make_batch(self, instances: np.ndarray) -> Batch:
-        """Rows for instance ids (M,); an id of -1 is a padding row. Windows cut by the end of the stream
-        (eval only) are padded with EOS, valid=False, label -100."""
-        T = self.T
-        windows = np.full((len(instances), T + 1), self.ds.eos, dtype=np.int64)  # (M, T+1)
-        n_valid = self._valid_lengths(instances)  # (M,) valid input positions per row
-        for r, i in enumerate(instances.tolist()):
-            if i >= 0:
-                self.ds.read(i * T, int(n_valid[r]) + 1, out=windows[r, :n_valid[r] + 1])
-        inputs = torch.from_numpy(windows[:, :-1].copy())
-        labels = torch.from_numpy(windows[:, 1:].copy())
-        if (n_valid == T).all():
-            valid = torch.ones(inputs.shape, dtype=torch.bool)
-        else:
-            valid = torch.arange(T)[None, :] < torch.from_numpy(n_valid)[:, None]  # (M, T) bool
-            labels[~valid] = IGNORE_INDEX
-        cu = None
-        if self.document_mask:
-            offs = [0]
-            for r, i in enumerate(instances.tolist()):
-                nv = int(n_valid[r])
-                if nv > 0:
-                    offs.extend((self.ds.doc_boundaries(i * T, nv) + r * T).tolist())
-                if 0 < nv < T:
-                    offs.append(r * T + nv)  # padding is a segment of its own
-                offs.append((r + 1) * T)
-            cu = torch.tensor(offs, dtype=torch.int32)  # (S+1,) int32
-        return Batch(inputs, labels, cu, valid)
+        return rows_batch(self.ds, instances, self.T, self.document_mask)
 
     def step_data(self, b: int) -> StepData:
         """This rank's micro-batches of global batch b and the global batch's target count (all ranks: from

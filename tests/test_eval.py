@@ -84,7 +84,7 @@ def test_heldout_eval_under_cuda_graphs_buckets_the_offsets_and_gives_the_same_l
     for mode in ("default", "reduce-overhead"):
         cfg, _, name = compose([*RUN, "train.compile=true", f"train.compile_mode={mode}"])
         plan = make_plan(cfg, 1, name)
-        ev = HeldOutEval(cfg, plan, train, 0, 1, torch.device("cpu"))
+        ev = HeldOutEval(cfg, plan, train.ds.root, 0, 1, torch.device("cpu"))
         assert ev.doc_buckets == (mode == "reduce-overhead")
         losses.append(ev.maybe_evaluate(plan.steps, loaded.model, torch.autocast("cpu", enabled=False))["eval/loss"])
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)

@@ -133,3 +133,14 @@ def test_project_imports_at_the_top():
             bad += [f"{rel}: {t}" for t, top in _imports(path, module, modules)
                     if not top and (rel, t) not in LOCAL_IMPORTS_ALLOWED]
     assert not bad, "function-local imports of project modules:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_nothing_below_the_launchers_imports_them():
+    """launch/ (SLURM scripts, the study runner) sits on top: logo/, data/ and train.py never import it."""
+    bad = []
+    for path in sorted((ROOT / "logo").rglob("*.py")) + sorted((ROOT / "data").rglob("*.py")) + [ROOT / "train.py"]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n == "launch" or n.startswith("launch.")]
+    assert not bad, "\n".join(bad)

@@ -107,6 +107,19 @@ def test_resources_come_from_each_preset(sweep):
     assert all("--dependency" not in c for c in calls) and len(lines) == 10
 
 
+def test_the_mini_family_is_one_array_of_single_gpu_runs_per_seed(sweep, tmp_path):
+    rc, lines, calls, err = sweep("mini", "--seeds", "0,1", "--runs-dir", str(tmp_path / "runs"))
+    assert rc == 0, err
+    assert len(calls) == 1 and calls[0].split()[1] == "--array=0,1,2,3,4,5,6,7"
+    for opt in ("--nodes=1", "--gpus-per-node=1", "--cpus-per-task=8", "--time=01:00:00"):
+        assert opt in calls[0].split()
+    assert calls[0].endswith("--nproc-per-node 1")
+    arms = ("inter_layer", "intra_layer", "logo", "transformer")
+    assert sorted(ln[3] for ln in lines) == [f"{tmp_path}/runs/mini-{a}-mini_4k-seed{s}" for a in arms for s in (0, 1)]
+    assert sorted(args[0] for args in task_list(calls[0]).values()) == sorted(f"experiment=mini/{a}" for a in arms
+                                                                               for _ in (0, 1))
+
+
 def test_one_preset_with_overridden_resources(sweep):
     rc, lines, calls, err = sweep("tiny/logo", "--", "launch.nodes=2", "launch.procs_per_node=3")
     assert rc == 0, err

@@ -2,10 +2,11 @@
 
     python -m logo.eval perplexity runs/tiny-logo-smoke                         # held-out split, by position
     python -m logo.eval ruler runs/x --lengths 4096,8192 --samples 50           # the 8 RULER needle tasks
+    python -m logo.eval synthetic runs/x --task associative_recall --episodes 256  # long-range synthetic accuracy
     python -m logo.eval lm_eval runs/x --tasks hellaswag,piqa                    # lm-evaluation-harness
     python -m logo.eval span runs/x --text wiki.txt code.py --out figs/          # span-allocation PNGs
 
-Results: <run_dir>/eval/{perplexity,ruler,lm_eval}.json and a record in <run_dir>/metrics.jsonl (plus W&B /
+Results: <run_dir>/eval/{perplexity,ruler,lm_eval,synthetic_<task>}.json and a record in <run_dir>/metrics.jsonl (plus W&B /
 TensorBoard when the run logs there); span writes PNGs + span_allocation.json (default <run_dir>/eval/span).
 Progress bars go to stderr when it is a terminal (--progress / --no-progress to choose); every command ends
 with one line: tokens, seconds, tokens/s and what it wrote. A bad input (missing checkpoint, unknown task, a
@@ -32,6 +33,7 @@ from logo.eval.progress import Progress
 from logo.eval.results import log_metrics, save_results
 from logo.eval.ruler import check_request, ruler_metrics, run_ruler
 from logo.eval.span import write_span_analysis
+from logo.eval.synthetic import resolve_task, synthetic_accuracy, synthetic_metrics
 from logo.run.checkpoint import CheckpointError
 
 
@@ -74,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest length allowed (default: the trained context, stage.seq_len)")
     p.add_argument("--seed", type=int, default=0)
 
+    p = command("synthetic", "held-out accuracy on a long-range synthetic task (data/synthetic.py)")
+    p.add_argument("--task", default=None, help="associative_recall | needle_retrieval | far_copy (its parameters: "
+                   "the run's mixture source of that task, else the task's defaults)")
+    p.add_argument("--source", default=None, help="a synthetic source of the run's mixture, by name")
+    p.add_argument("--episodes", type=int, default=256, help="held-out episodes scored")
+    p.add_argument("--batch-size", type=int, default=8, help="episodes per forward")
+    p.add_argument("--length", type=int, default=None, help="tokens per episode (default: the source's)")
+    p.add_argument("--seed", type=int, default=0, help="the held-out stream (the same episodes for every run)")
+
     p = command("lm_eval", "lm-evaluation-harness tasks (the model is registered as `logo`)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include-path", default=None, help="a folder of extra task YAMLs")
@@ -110,6 +121,14 @@ def _ruler(a, loaded, progress) -> dict:
             "summary": "  ".join(f"avg@{n} {v:.1f}" for n, v in res["average"].items())}
 
 
+def _synthetic(a, loaded, progress) -> dict:
+    label, params = resolve_task(loaded.cfg, a.task, a.source, a.length)
+    res = synthetic_accuracy(loaded, params, a.episodes, a.batch_size, a.seed, progress, label)
+    return {"results": res, "metrics": synthetic_metrics(res), "name": f"synthetic_{label}",
+            "summary": f"{label}: accuracy {res['accuracy']:.4f}  token accuracy {res['token_accuracy']:.4f}  "
+                       f"({res['answers']} answers in {res['episodes']} held-out episodes of {params.length} tokens)"}
+
+
 def _lm_eval(a, loaded, progress) -> dict:
     res = run_lm_eval(loaded, a.tasks.split(","), a.include_path, a.num_fewshot, a.limit, a.batch_size,
                       a.max_length, a.max_gen_toks, progress)
@@ -129,12 +148,13 @@ def main(argv=None) -> int:
     try:
         loaded = load_model(a.checkpoint, a.device, a.dtype)
         progress = Progress(a.progress)  # the summary's seconds: the evaluation, the model's loading aside
-        command = {"perplexity": _perplexity, "ruler": _ruler, "lm_eval": _lm_eval, "span": _span}[a.what]
+        command = {"perplexity": _perplexity, "ruler": _ruler, "synthetic": _synthetic, "lm_eval": _lm_eval,
+                   "span": _span}[a.what]
         out = command(a, loaded, progress)
         progress.finish()
         if "results" in out:
             with interrupt_deferred():  # a Ctrl-C does not come between the JSON and its metrics record
-                out["wrote"] = save_results(loaded, a.what, out["results"])
+                out["wrote"] = save_results(loaded, a.what, out["results"], out.get("name"))
                 log_metrics(loaded, out["metrics"])
             print(f"{a.what} of {loaded.checkpoint} (step {loaded.step}): {out['summary']}")
         print(progress.summary(a.what, out["wrote"]))

@@ -23,12 +23,21 @@ from data.default_corpus import ensure_default_corpus
 
 
 def corpus_path(loaded: Loaded, data: Optional[str]) -> Path:
-    """--data PATH, else the corpus the run trained on (the embedded default corpus or data.path)."""
+    """--data PATH, else the corpus the run trained on (the embedded default corpus or data.path; of a mixture,
+    its first default or shards source)."""
     if data:
         return Path(data)
-    if loaded.cfg.data.kind == "default":
-        return ensure_default_corpus(tokenizer=loaded.cfg.data.tokenizer)
-    return Path(loaded.cfg.data.path)
+    d = loaded.cfg.data
+    kind, path = d.kind, d.path
+    if kind == "mix":
+        corpora = [s for s in d.sources if s.kind in ("default", "shards")]
+        if not corpora:
+            raise DataError(f"the run {loaded.run_dir} trained on synthetic sources only (data.sources: "
+                            f"{', '.join(s.name for s in d.sources)}): pass --data DIR, a prepared corpus")
+        kind, path = corpora[0].kind, corpora[0].path
+    if kind == "default":
+        return ensure_default_corpus(tokenizer=d.tokenizer)
+    return Path(path)
 
 
 def default_bucket_size(seq_len: int) -> int:

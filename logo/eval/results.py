@@ -1,6 +1,7 @@
 """Where evaluation results go: `<run_dir>/eval/<kind>.json` and the run's metrics sinks.
 
-JSON: {"kind", "checkpoint", "step", "created", "results"}, written atomically (a reader never sees half a
+JSON (`synthetic`: one file per task, `synthetic_<label>.json`): {"kind", "checkpoint", "step", "created",
+"results"}, written atomically (a reader never sees half a
 file). Metrics: one record {"step": <checkpoint step>, ...} appended to `<run_dir>/metrics.jsonl`, and, as
 the run's config.yaml asks, TensorBoard (at the checkpoint step) and W&B (the run's own id from the
 checkpoint; W&B cannot log before its current step, so a past checkpoint lands at the run's latest step,
@@ -14,20 +15,21 @@ import math
 import os
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 from logo.run.load import Loaded
 from logo.run.checkpoint import read_train_state
 from logo.run.wandb import wandb_logged_in
 
 log = logging.getLogger("logo")
-KINDS = ("perplexity", "ruler", "lm_eval")
+KINDS = ("perplexity", "ruler", "lm_eval", "synthetic")
 
 
-def save_results(loaded: Loaded, kind: str, results: dict) -> Path:
-    """Write <run_dir>/eval/<kind>.json; returns its path."""
+def save_results(loaded: Loaded, kind: str, results: dict, name: Optional[str] = None) -> Path:
+    """Write <run_dir>/eval/<name>.json (default name: the kind); returns its path."""
     if kind not in KINDS:
         raise ValueError(f"unknown results kind {kind!r}; choose one of {list(KINDS)}")
-    out = loaded.run_dir / "eval" / f"{kind}.json"
+    out = loaded.run_dir / "eval" / f"{name or kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     rec = {"kind": kind, "checkpoint": str(loaded.checkpoint), "step": loaded.step,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "results": results}

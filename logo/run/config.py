@@ -7,11 +7,14 @@ and raises ConfigError naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+from data.synthetic import TASK_PARAMS, TASKS, ParamError, SyntheticParams, check_params
 
 from logo.config import AttentionConfig, ConfigError, ModelConfig
 from logo.config import _fail  # one message format for every invalid field
@@ -69,9 +72,37 @@ class TrainConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a data mixture (data=mix, docs/data.md): a corpus or a synthetic long-range task."""
+
+    name: str = ""  # unique in the mixture: metrics data/tokens/<name>, eval/synthetic_<name>.json
+    kind: str = "default"  # default: the embedded corpus | shards: a prepared corpus at `path` | synthetic
+    weight: float = 1.0  # relative share of the rows (sequences) of every global batch; > 0
+    path: str = ""  # shards
+    # synthetic: the task and its episode (data/synthetic.py); the parameters of other tasks keep their defaults
+    task: str = ""  # associative_recall | needle_retrieval | far_copy
+    length: int = 0  # tokens per episode (one document), EOS included; 0: stage.seq_len; must divide stage.seq_len
+    gap: float = 1.25  # fewest tokens between an answer and where it was given, x attention.window x model.n_layers
+    pairs: int = 16  # associative_recall: key-value pairs
+    queries: int = 8  # associative_recall: pairs asked
+    needles: int = 4  # needle_retrieval: needles, each asked once
+    distractors: int = 8  # needle_retrieval: decoy needles (half of them repeat a needle's key)
+    value_len: int = 4  # needle_retrieval: tokens of a needle's value
+    span: int = 32  # far_copy: tokens copied
+
+
+def synthetic_params(src: SourceConfig, seq_len: int, window: int, n_layers: int) -> SyntheticParams:
+    """A synthetic source's episode shape in tokens: length 0 -> seq_len, gap -> ceil(gap x window x layers)."""
+    return SyntheticParams(task=src.task, length=src.length or seq_len, gap=math.ceil(src.gap * window * n_layers),
+                           pairs=src.pairs, queries=src.queries, needles=src.needles, distractors=src.distractors,
+                           value_len=src.value_len, span=src.span)
+
+
+@dataclass
 class DataConfig:
-    kind: str = "default"  # default: the embedded corpus | shards: a prepared corpus at `path`
+    kind: str = "default"  # default: the embedded corpus | shards: a prepared corpus at `path` | mix: `sources`
     path: str = ""
+    sources: list[SourceConfig] = field(default_factory=list)  # data=mix: the weighted sources
     tokenizer: str = "cl100k_base"
     seed: int = 1234
     document_mask: bool = True
@@ -300,10 +331,7 @@ def validate(c: Config) -> None:
         _fail("train.grad_clip", t.grad_clip, "must be > 0")
     if not isinstance(t.gc_interval, int) or t.gc_interval < 0:
         _fail("train.gc_interval", t.gc_interval, "must be an integer >= 0 (0: Python's automatic GC)")
-    if c.data.kind not in ("default", "shards"):
-        _fail("data.kind", c.data.kind, "choose default or shards")
-    if c.data.kind == "shards" and not c.data.path:
-        _fail("data.path", c.data.path, "data=shards needs data.path=DIR (a corpus made by python -m data.prepare)")
+    validate_data(c)
     if c.parallel.backend not in ("auto", "nccl", "gloo"):
         _fail("parallel.backend", c.parallel.backend, "choose auto, nccl or gloo")
     if c.parallel.device not in ("auto", "cpu", "cuda"):
@@ -377,3 +405,69 @@ def validate_launch(la: LaunchConfig) -> None:
             _fail(f"launch.{name}", v, f"must be an integer >= {lo}")
     if not re.fullmatch(r"(\d+-)?\d+(:\d\d){0,2}", la.time):
         _fail("launch.time", la.time, "not a SLURM time limit (MM, HH:MM:SS or D-HH:MM:SS)")
+
+
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def validate_data(c: Config) -> None:
+    d = c.data
+    if d.kind not in ("default", "shards", "mix"):
+        _fail("data.kind", d.kind, "choose default, shards or mix")
+    if d.kind == "shards" and not d.path:
+        _fail("data.path", d.path, "data=shards needs data.path=DIR (a corpus made by python -m data.prepare)")
+    if d.kind != "mix":
+        if d.sources:
+            _fail("data.sources", [s.name for s in d.sources], f"only data=mix reads sources (data.kind={d.kind!r})")
+        return
+    if not d.sources:
+        _fail("data.sources", [], "data=mix needs at least one source (docs/data.md, Mixtures)")
+    names = [s.name for s in d.sources]
+    for i, src in enumerate(d.sources):
+        validate_source(c, i, src)
+        if names.index(src.name) != i:
+            _fail(f"data.sources.{i}.name", src.name, "another source has this name; names must be unique")
+    if c.eval.interval > 0 and not any(s.kind in ("default", "shards") for s in d.sources):
+        _fail("eval.interval", c.eval.interval, "the held-out loss reads a corpus's validation split and this "
+              "mixture has no default or shards source; set eval.interval=0 (score synthetic sources with "
+              "python -m logo.eval synthetic)")
+
+
+def validate_source(c: Config, i: int, src: SourceConfig) -> None:
+    """One source of data=mix: errors name data.sources.<i>.<field>."""
+    key = f"data.sources.{i}"
+    if not SOURCE_NAME.fullmatch(src.name or ""):
+        _fail(f"{key}.name", src.name, "every source needs a name of letters, digits, '_', '.' or '-'")
+    if src.kind not in ("default", "shards", "synthetic"):
+        _fail(f"{key}.kind", src.kind, "unknown source kind; choose default, shards or synthetic")
+    if not (isinstance(src.weight, (int, float)) and math.isfinite(src.weight) and src.weight > 0):
+        _fail(f"{key}.weight", src.weight, "must be a finite number > 0 (weights are relative)")
+    if src.kind == "shards" and not src.path:
+        _fail(f"{key}.path", src.path, "a shards source needs path=DIR (a corpus made by python -m data.prepare)")
+    if src.kind != "shards" and src.path:
+        _fail(f"{key}.path", src.path, f"only a shards source reads a path (kind={src.kind!r})")
+    if src.kind != "synthetic":
+        if src.task:
+            _fail(f"{key}.task", src.task, f"only a synthetic source has a task (kind={src.kind!r})")
+        return
+    if src.task not in TASKS:
+        _fail(f"{key}.task", src.task, f"unknown synthetic task; choose one of {list(TASKS)}")
+    defaults = SourceConfig()
+    for name in sorted({p for ps in TASK_PARAMS.values() for p in ps} - set(TASK_PARAMS[src.task])):
+        if getattr(src, name) != getattr(defaults, name):
+            _fail(f"{key}.{name}", getattr(src, name), f"task {src.task} does not read it (it reads "
+                  f"{', '.join(('length', 'gap') + TASK_PARAMS[src.task])})")
+    if not (isinstance(src.gap, (int, float)) and math.isfinite(src.gap) and src.gap > 0):
+        _fail(f"{key}.gap", src.gap, "must be a number > 0 (a multiple of attention.window x model.n_layers)")
+    T, m = c.stage.seq_len, c.model
+    if src.length < 0 or src.length > T or (src.length and T % src.length):
+        _fail(f"{key}.length", src.length, f"must divide stage.seq_len={T} (0: one episode per sequence), so that "
+              f"every sequence holds whole episodes")
+    try:
+        check_params(synthetic_params(src, T, m.attention.window, m.n_layers))
+    except ParamError as e:
+        why = e.why
+        if e.field in ("length", "gap"):
+            why += (f" (gap {src.gap} x attention.window={m.attention.window} x model.n_layers={m.n_layers} = "
+                    f"{math.ceil(src.gap * m.attention.window * m.n_layers)} tokens; length 0 is stage.seq_len={T})")
+        _fail(f"{key}.{e.field}", getattr(src, e.field), why)

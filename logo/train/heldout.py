@@ -1,4 +1,6 @@
-"""Held-out loss during training: `eval.interval` / `eval.tokens` on the corpus's validation split.
+"""Held-out loss during training: `eval.interval` / `eval.tokens` on the corpus's validation split (of a
+mixture, data=mix: its first default or shards source; synthetic sources are scored by `python -m logo.eval
+synthetic`).
 
 The validation split is made of whole documents that the training split never holds (`data/prepare.py`
 sends document i to `val` when i % k == k-1), so the two never overlap. Each evaluation reads the same
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,10 +25,11 @@ from data.loader import IGNORE_INDEX, ShardDataset, TokenLoader
 class HeldOutEval:
     """Built once by the trainer; `maybe_evaluate(step, model, autocast)` each step (all ranks)."""
 
-    def __init__(self, cfg, plan, train_loader: TokenLoader, rank: int, world: int, device: torch.device,
+    def __init__(self, cfg, plan, corpus: Optional[Path], rank: int, world: int, device: torch.device,
                  group=None):
-        """rank / world: this rank's data shard and the number of shards; group: the ranks holding different
-        shards (None: the default group). Ranks of one shard (tensor/context parallel) compute the same sums."""
+        """corpus: the prepared corpus whose `eval.split` is read (None only with eval.interval=0); rank / world:
+        this rank's data shard and the number of shards; group: the ranks holding different shards (None: the
+        default group). Ranks of one shard (tensor/context parallel) compute the same sums."""
         self.group = group
         # CUDA graphs record one graph per input shape: document offsets in buckets, as the training batches'
         self.doc_buckets = cfg.train.cuda_graphs
@@ -33,10 +38,10 @@ class HeldOutEval:
         self.last_seconds = 0.0
         if self.interval <= 0:
             return
-        ds = ShardDataset(train_loader.ds.root, e.split, tokenizer=cfg.data.tokenizer)
+        ds = ShardDataset(corpus, e.split, tokenizer=cfg.data.tokenizer)
         if ds.num_tokens < 2:  # nothing to predict: an evaluation would read as loss 0, ppl 1
             raise DataError(f"invalid config eval.interval={e.interval}: the {e.split!r} split of "
-                            f"{train_loader.ds.root} has {ds.num_tokens} tokens, nothing to evaluate on; prepare the "
+                            f"{corpus} has {ds.num_tokens} tokens, nothing to evaluate on; prepare the "
                             f"corpus with a validation split (python -m data.prepare ... --val-fraction F) or set "
                             f"eval.interval=0")
         self.rank, self.world = rank, world

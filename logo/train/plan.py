@@ -16,7 +16,7 @@ from logo.model import Transformer
 from logo.model.flops import attention_budget, attention_flops_per_token, param_counts, train_flops_per_token
 from logo.parallel.memory import data_parallel_mode
 from logo.parallel.mesh import ParallelDims
-from logo.run.config import Config
+from logo.run.config import Config, synthetic_params
 from logo.run.hf import has_thresholds
 
 
@@ -56,6 +56,9 @@ class Plan:
     attention_flops_per_token: float
     train_flops_per_token: float
     attention_kernels: str  # the attention implementation on this machine (logo.kernels.dispatch.describe)
+    # what the run trains on: [{name, kind, weight, share, path or params, fingerprint once opened}], one per
+    # source of a mixture (data=mix), else the one corpus
+    data_sources: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -77,6 +80,8 @@ class Plan:
                 ("attention FLOPs / token", f"{self.attention_flops_per_token:.4g}"),
                 ("train FLOPs / token", f"{self.train_flops_per_token:.4g}"),
                 ("attention kernels", self.attention_kernels)]
+        if len(self.data_sources) > 1:
+            rows.append(("data mixture", ", ".join(f"{s['name']} {100 * s['share']:.0f}%" for s in self.data_sources)))
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
@@ -95,14 +100,14 @@ class Plan:
 
 
 def run_name(cfg: Config, attention_name: str) -> str:
-    """Deterministic (never a timestamp): run.name, else <experiment> or <model>-<attention>[-<corpus folder>]
-    (a prepared corpus other than the embedded one), plus the stage."""
+    """Deterministic (never a timestamp): run.name, else <experiment> or <model>-<attention>[-<corpus folder>|-mix]
+    (a prepared corpus other than the embedded one, or a mixture), plus the stage."""
     if cfg.run.name:
         return cfg.run.name
     if cfg.experiment:
         base = cfg.experiment.replace("/", "-")
     else:
-        corpus = f"-{Path(cfg.data.path.rstrip('/')).name or 'shards'}" if cfg.data.kind == "shards" else ""
+        corpus = {"shards": f"-{Path(cfg.data.path.rstrip('/')).name or 'shards'}", "mix": "-mix"}.get(cfg.data.kind, "")
         base = f"{cfg.model.name}-{attention_name}{corpus}"
     return f"{base}-{cfg.stage.name}"
 
@@ -168,4 +173,24 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
                 lr_min=s.lr_min, attention_budget=attention_budget(cfg.model),
                 attention_flops_per_token=attention_flops_per_token(cfg.model, s.seq_len),
                 train_flops_per_token=train_flops_per_token(cfg.model, s.seq_len, non_emb),
-                attention_kernels=attention_kernels(cfg, device))
+                attention_kernels=attention_kernels(cfg, device), data_sources=planned_sources(cfg))
+
+
+def planned_sources(cfg: Config) -> list[dict]:
+    """The configured data sources with their shares and resolved synthetic episode shapes (no fingerprints: the
+    trainer replaces these with the opened sources')."""
+    d = cfg.data
+    if d.kind != "mix":
+        return [{"name": d.kind, "kind": d.kind, "weight": 1.0, "share": 1.0,
+                 **({"path": d.path} if d.kind == "shards" else {})}]
+    total = sum(s.weight for s in d.sources)
+    out = []
+    for s in d.sources:
+        rec = {"name": s.name, "kind": s.kind, "weight": s.weight, "share": s.weight / total}
+        if s.kind == "shards":
+            rec["path"] = s.path
+        if s.kind == "synthetic":
+            rec["params"] = synthetic_params(s, cfg.stage.seq_len, cfg.model.attention.window,
+                                             cfg.model.n_layers).relevant()
+        out.append(rec)
+    return out

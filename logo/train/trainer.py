@@ -30,9 +30,7 @@ from omegaconf import OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from data.default_corpus import ensure_default_corpus
-from data.format import DataError, atomic_write_json, read_manifest
-from data.loader import ShardDataset, TokenLoader
+from data.format import atomic_write_json
 from data.prefetch import StepLoader
 from logo.config import ConfigError
 from logo.model import BudgetController, Transformer
@@ -48,6 +46,7 @@ from logo.run.hf import check_compatible, load_into, read_config, strip_prefix
 from logo.run.ranks import rank0_decides
 from logo.train.checkpoint import Checkpointer
 from logo.train.heldout import HeldOutEval
+from logo.train.loaders import build_loader, check_data, data_metrics, describe_loader, heldout_corpus
 from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
 from logo.train.peers import record_peers
 from logo.train.plan import Plan, make_plan, planned_run_dir
@@ -165,24 +164,8 @@ def _setup_distributed(cfg: Config, run_dir: Path) -> tuple[torch.device, int, i
 
 def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.device,
                 dims: ParallelDims) -> StepLoader:
-    if cfg.data.kind == "default":
-        if rank == 0:  # builds it on first use; the other ranks wait, then find it
-            path = ensure_default_corpus(tokenizer=cfg.data.tokenizer)
-        if world > 1:
-            dist.barrier()
-        if rank != 0:
-            path = ensure_default_corpus(tokenizer=cfg.data.tokenizer)
-    else:
-        path = Path(cfg.data.path)
-    ds = ShardDataset(path, "train", tokenizer=cfg.data.tokenizer)
-    if ds.token_limit is None:
-        ds.token_limit = cfg.model.vocab_size
-    if ds.vocab_size and ds.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"invalid config model.vocab_size={cfg.model.vocab_size}: the corpus {path} has a "
-                          f"vocabulary of {ds.vocab_size} tokens")
-    # ranks of one data shard (its tp x cp ranks) read the same sequences
-    loader = TokenLoader(ds, plan.seq_len, plan.global_batch, plan.micro_batch, dims.data_rank, dims.dp, cfg.data.seed,
-                         cfg.data.document_mask)
+    loader = build_loader(cfg, plan.seq_len, plan.global_batch, plan.micro_batch, rank, world, dims.data_rank,
+                          dims.dp)
     # CUDA graphs record one graph per input shape: document offsets in power-of-two buckets, not one per count
     return StepLoader(loader, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda", device=device,
                       doc_buckets=cfg.train.cuda_graphs)
@@ -321,18 +304,6 @@ def _run_dir_call(run_dir, fn):
                           f"({type(e).__name__}: {e.strerror or e}); choose a writable directory") from None
 
 
-def check_data(cfg: Config) -> None:
-    """Before the run directory is touched: a prepared corpus where data=shards points (one-line DataError)."""
-    if cfg.data.kind == "shards":
-        if not cfg.data.path:
-            raise ConfigError("invalid config data.path='': data=shards needs data.path=DIR, a corpus prepared with "
-                              "python -m data.prepare")
-        try:
-            read_manifest(Path(cfg.data.path))
-        except DataError as e:
-            raise DataError(f"invalid config data.path={cfg.data.path!r}: {e}") from None
-
-
 def _check_resume(state: dict, latest: Path, resolved: dict, run_dir: Path) -> None:
     """Before anything is built: the checkpoint's config (or the run's config.yaml) must equal this one in
     every field that changes the model or the data order."""
@@ -388,6 +359,7 @@ class _StepLog:
     host_group: object
     metrics_log: Optional[MetricsLogger]  # rank 0
     bar: object  # tqdm bar or None
+    data_metrics: object = dict  # () -> the data's own metrics (a mixture's data/tokens/<source>)
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, durations: list, evaluated: dict,
                saves: list) -> dict:
@@ -402,6 +374,7 @@ class _StepLog:
             m["mfu"] = mfu(self.model_cfg, plan.seq_len, plan.params_non_embedding, m["tokens_per_s"],
                            self.peak * self.world, realized_ratios(m))
         m.update(evaluated)  # held-out loss when it was due at this step
+        m.update(self.data_metrics())  # a mixture's tokens per source
         if saves:  # the latest save finished since the last logged step (each one is also on the console)
             m.update(saves[-1].metrics())
         if self.world > 1 and self.ctrl.layers:
@@ -487,9 +460,11 @@ def _build(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
     opt = make_optimizer(model, plan.lr, (cfg.train.beta1, cfg.train.beta2), cfg.train.eps, cfg.train.weight_decay)
     sched = LambdaLR(opt, partial(lr_factor, plan=plan))
     loader = _build_data(cfg, plan, rank, world, device, dims)
+    plan.data_sources = describe_loader(cfg, loader.loader)  # with the fingerprints of what was opened
     dp_cp_group = dims.dim("dp_shard_cp").get_group() if dims.mesh is not None else None
     # eval.interval=0: does nothing; context-parallel ranks each evaluate whole sequences (no CP at eval)
-    heldout = HeldOutEval(cfg, plan, loader.loader, dims.data_rank, dims.dp, device,
+    corpus = heldout_corpus(cfg, rank, world) if cfg.eval.interval > 0 else None
+    heldout = HeldOutEval(cfg, plan, corpus, dims.data_rank, dims.dp, device,
                           group=dims.mesh["dp_shard"].get_group() if dims.mesh is not None else None)
     # routing counts summed over the ranks that see different tokens (dp x cp), never over tp (same tokens)
     window = cfg.logging.ratio_window or cfg.logging.interval
@@ -533,7 +508,8 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
     if rank == 0 and cfg.logging.progress_bar and sys.stderr.isatty():  # logs get the line per logging.interval
         bar = tqdm(total=plan.steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True, leave=False)
     step_log = _StepLog(plan, cfg.model, peak_bf16_flops(torch.cuda.get_device_name()) if device.type == "cuda"
-                        else None, world, device, b.ctrl, b.host_group, metrics_log, bar)
+                        else None, world, device, b.ctrl, b.host_group, metrics_log, bar,
+                        partial(data_metrics, b.loader.loader))
     last = {}
     monitor, timer = DivergenceMonitor(device), StepTimer(device)
     if cfg.train.gc_interval:
