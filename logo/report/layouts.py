@@ -87,18 +87,18 @@ LAYOUTS = {
         match=lambda c: (c.size,), is_baseline=lambda c: c.model == "LoGo" and not c.variants and not c.extra,
         order=lambda c: (COMPONENT_ORDER.index(c.component) if c.component in COMPONENT_ORDER else 99, c.name),
         accepts=("controlled_1.5b/logo",)),
-    "mini": Layout(
-        "mini", "The controlled comparison in miniature: text + long-range synthetic tasks (paper Table 3 layout)",
-        (("Model", lambda c: c.name),), ("ppl/*", "synthetic/*/accuracy", "ruler/*", "ruler_avg", "ratio_mean"),
-        ruler=False, match=lambda c: (c.size,), is_baseline=lambda c: c.model == "LoGo" and not c.extra,
-        order=lambda c: (model_rank(c), c.name), compare_columns=True, ratio_tail=0.1, ratio_tolerance=0.02,
-        span=True),
     "hybrid_compat": Layout(
         "hybrid_compat", "Compatibility with memory-saving hybrids (paper Table 9)",
         (("Model", lambda c: c.name), ("Attn budget", _budget)), ("train_loss", "wiki_ppl", "lmb_ppl", "ruler_avg"),
         ruler=True, match=lambda c: (c.size,),
         is_baseline=lambda c: c.model == "inter-layer-H" and c.budget == 0.5 and not c.extra,
         order=lambda c: (model_rank(c), -(c.budget or 0), c.name)),
+    "mini": Layout(
+        "mini", "The controlled comparison in miniature: text + long-range synthetic tasks (paper Table 3 layout)",
+        (("Model", lambda c: c.name),), ("ppl/*", "synthetic/*/accuracy", "ruler/*", "ruler_avg", "ratio_mean"),
+        ruler=False, match=lambda c: (c.size,), is_baseline=lambda c: c.model == "LoGo" and not c.extra,
+        order=lambda c: (model_rank(c), c.name), compare_columns=True, ratio_tail=0.1, ratio_tolerance=0.02,
+        span=True),
 }
 
 

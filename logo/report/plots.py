@@ -111,7 +111,7 @@ def ratio_heatmap(checks: list[RatioCheck], path: Path) -> Optional[Path]:
     tol = checks[0].tolerance
     span = max(2 * tol, float(np.nanmax(np.abs(grid))))
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(runs), 1.0 + 0.4 * len(layers)))
+    fig, ax = plt.subplots(figsize=(max(5.5, 2.0 + 0.9 * len(runs)), 1.4 + 0.4 * len(layers)))
     im = ax.imshow(grid, cmap="RdBu_r", vmin=-span, vmax=span, aspect="auto")
     for (i, j), c in by_pos.items():
         ax.text(j, i, f"{c.ratio:.3f}", ha="center", va="center", fontsize=7)
@@ -121,7 +121,7 @@ def ratio_heatmap(checks: list[RatioCheck], path: Path) -> Optional[Path]:
     ax.set_xticks(range(len(runs)), labels, fontsize=6, rotation=30, ha="right")
     ax.set_yticks(range(len(layers)), [f"L{i}" for i in layers], fontsize=7)
     fig.colorbar(im, ax=ax, label="realized ratio - rho")
-    ax.set_title(f"realized global ratio per LoGo layer (outlined: off rho by > {tol:g})", fontsize=8)
+    ax.set_title(f"realized global ratio per LoGo layer\n(colour: minus rho; outlined: off by > {tol:g})", fontsize=8)
     return save(fig, path)
 
 

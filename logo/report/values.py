@@ -159,11 +159,11 @@ def _ratios(window: list[dict], last: dict, tail: bool = False) -> dict[str, flo
         records = window if tail or pattern is RATIO else [last]
         layers = sorted({int(m.group(1)) for r in records for k in r if (m := pattern.match(k))})
         name = "logo/ratio_window/layer_" if pattern is RATIO_WINDOW else "logo/ratio/layer_"
-        per_layer = {i: _mean(float(r[f"{name}{i}"]) for r in records if f"{name}{i}" in r) for i in layers}
+        per_layer = {i: _mean(r[f"{name}{i}"] for r in records if f"{name}{i}" in r) for i in layers}
         if per_layer:
             break
     for i, x in per_layer.items():
-        out[f"ratio/{i}"] = x
+        out[f"ratio/{i}"] = float(x)
     if not tail and isinstance(last.get("logo/ratio_window_mean"), (int, float)):
         out["ratio_mean"] = float(last["logo/ratio_window_mean"])
     elif per_layer:
