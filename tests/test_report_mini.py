@@ -155,3 +155,19 @@ def test_an_unreadable_synthetic_result_is_a_note(mini_runs, tmp_path, capsys):
         bad.unlink()
     out = capsys.readouterr().out
     assert "eval/synthetic_far_copy.json is not valid JSON" in out and "Traceback" not in out
+
+
+def test_tail_ratio_is_the_mean_of_the_window_means_in_the_last_tenth(tmp_path):
+    """With window means logged (the budget reporting's), the tail ratio averages them over the records of the
+    last 10% of the steps; without a tail, the last record's window mean is the value, as before."""
+    from logo.report.runs import load_run
+    from logo.report.values import run_values
+    d = make_run(tmp_path, "w", losses=[3.0] * STEPS, kind="logo", ratios=[0.5])
+    recs = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        r["logo/ratio_window/layer_0"] = {19: 0.46, 20: 0.50}.get(r["step"], 0.9)
+        r["logo/ratio/layer_0"] = 0.7  # per-step values: not used when window means are logged
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = load_run(d)
+    assert run_values(run, 100, ratio_tail=0.1)["ratio/0"] == pytest.approx(0.48, abs=1e-12)
+    assert run_values(run, 100)["ratio/0"] == 0.50
