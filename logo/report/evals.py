@@ -116,8 +116,8 @@ def lm_eval_values(results: dict) -> dict[str, float]:
 
 
 def synthetic_values(results: dict) -> dict[str, float]:
-    if not isinstance(results, dict) or not isinstance(results.get("label"), str):
-        return {}
+    if not isinstance(results, dict) or not isinstance(results.get("label"), str) or "/" in results["label"]:
+        return {}  # a label is a task or source name: never a path
     key, out = results["label"], {}
     for name in ("accuracy", "token_accuracy"):
         v = _num(results.get(name))
