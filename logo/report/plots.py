@@ -114,7 +114,8 @@ def ratio_heatmap(checks: list[RatioCheck], path: Path) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(max(5.5, 2.0 + 0.9 * len(runs)), 1.4 + 0.4 * len(layers)))
     im = ax.imshow(grid, cmap="RdBu_r", vmin=-span, vmax=span, aspect="auto")
     for (i, j), c in by_pos.items():
-        ax.text(j, i, f"{c.ratio:.3f}", ha="center", va="center", fontsize=7)
+        ax.text(j, i, f"{c.ratio:.3f}", ha="center", va="center", fontsize=7,
+                color="white" if abs(c.off) > 0.6 * span else "black")
         if not c.within:
             ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="k", lw=2))
     labels = [f"{Path(r).name}\n(seed {next(c.seed for c in checks if c.run == r)})" for r in runs]
