@@ -128,9 +128,15 @@ def _header(rep: Report) -> str:
         "- cells: mean ± sample standard deviation over seeds (`n` = seeds); `–` = no run has the value",
         f"- seed noise: a row's difference from its baseline row is tested with Welch's t-test (two-sided, "
         f"alpha {s.alpha}); it needs >= 2 seeds on both sides",
-        f"- fits: {s.fit_metric} = E + A * x^-alpha per model (scipy curve_fit), {int(s.level * 100)}% percentile "
-        f"intervals from {s.n_boot} residual-bootstrap refits; training FLOPs = the plan's train FLOPs per token "
-        f"(6 N + attention) x tokens trained", *_compute_time_note(rep), ""])
+        *_fit_note_line(rep), *_compute_time_note(rep), ""])
+
+
+def _fit_note_line(rep: Report) -> list[str]:
+    """The header line saying how curves are fitted, for a layout that fits them."""
+    s = rep.settings
+    return [f"- fits: {s.fit_metric} = E + A * x^-alpha per model (scipy curve_fit), {int(s.level * 100)}% "
+            f"percentile intervals from {s.n_boot} residual-bootstrap refits; training FLOPs = the plan's train FLOPs "
+            f"per token (6 N + attention) x tokens trained"] if rep.layout.fit else []
 
 
 def _ratio_note(rep: Report) -> str:
