@@ -56,7 +56,7 @@ def test_bad_inputs_give_one_line_each(tmp_path):
         f"skipped {tmp_path / 'dry'}: a dry run (dry_run=true): no metrics"]
     assert p.stderr.strip() == ("error: the runs come from several experiment families (ratio_sweep: 1 run, "
                                 "scaling: 1 run); pass --family NAME (one of scaling, controlled_1.5b, ratio_sweep, "
-                                "ablations, hybrid_compat) to report one of them")
+                                "ablations, hybrid_compat, mini) to report one of them")
     assert not (tmp_path / "out").exists()
 
     p = subprocess.run([*cmd, "--family", "scaling", "--bootstrap", "0"], cwd=ROOT, capture_output=True, text=True,

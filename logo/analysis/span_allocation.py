@@ -2,7 +2,7 @@
 
 - `record_routing(model, tokens)`: the exact routing decisions z (L_logo, B, T) of one forward, recorded with
   forward pre-hooks on the LoGo layers (the gate and threshold are re-applied to each layer's input, so the
-  model code is untouched).
+  model code is untouched); `routing_recorded(model, sink)` records them around any forward of the caller's.
 - `allocation_stats(z, valid)`: layer-wise realized ratio and the token-wise distribution of how many layers
   route each token global.
 - `word_scores(...)`: per-token global-layer counts shifted by one position (routing at t serves the
@@ -21,7 +21,9 @@ from logo.model.routing import route
 
 
 @contextmanager
-def _routing_hooks(model, sink: list):
+def routing_recorded(model, sink: list):
+    """Within the block, every forward through the LoGo layers appends each layer's routing (B, T) bool to `sink`,
+    in layer order (one forward: len(model.logo_layer_ids) entries)."""
     handles = []
     for layer in model.logo_layers():
         def pre_hook(module, args, sink=sink):
@@ -44,7 +46,7 @@ def record_routing(model, tokens: torch.Tensor, cu_seqlens: Optional[torch.Tenso
     if not model.logo_layer_ids:
         raise ValueError("the model has no LoGo layers (attention.kind is not logo / inter_layer+logo)")
     sink: list[torch.Tensor] = []
-    with _routing_hooks(model, sink):
+    with routing_recorded(model, sink):
         model(tokens, cu_seqlens=cu_seqlens, valid=valid)
     return torch.stack(sink)
 

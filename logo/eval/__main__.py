@@ -124,9 +124,13 @@ def _ruler(a, loaded, progress) -> dict:
 def _synthetic(a, loaded, progress) -> dict:
     label, params = resolve_task(loaded.cfg, a.task, a.source, a.length)
     res = synthetic_accuracy(loaded, params, a.episodes, a.batch_size, a.seed, progress, label)
+    span = res.get("span")
+    routed = (f"  global ratio {span['far']['mean_ratio']:.3f} at far-context positions, {span['all']['mean_ratio']:.3f}"
+              f" overall" if span else "")
     return {"results": res, "metrics": synthetic_metrics(res), "name": f"synthetic_{label}",
             "summary": f"{label}: accuracy {res['accuracy']:.4f}  token accuracy {res['token_accuracy']:.4f}  "
-                       f"({res['answers']} answers in {res['episodes']} held-out episodes of {params.length} tokens)"}
+                       f"({res['answers']} answers in {res['episodes']} held-out episodes of {params.length} tokens)"
+                       + routed}
 
 
 def _lm_eval(a, loaded, progress) -> dict:

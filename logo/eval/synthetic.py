@@ -5,6 +5,12 @@ is one row of the model's input, read once; an answer counts when the greedy arg
 the real vocabulary is its token at every one of its positions (a needle's whole value, the whole pasted span).
 `accuracy` is the fraction of answers right, `token_accuracy` the fraction of answer tokens right.
 
+Span allocation (models with LoGo layers only): the routing of every LoGo layer in the same forwards
+(`routing_recorded`), summarized by `allocation_stats` twice: `span.far` over the positions that predict an answer
+token (answer token j is predicted at position j - 1, the episode's `far_targets` - 1: the predictions that need
+context beyond the windows) and `span.all` over every position of the episodes. `layer_ratio` is then, per LoGo
+layer (`span.layer_ids`), the fraction of those positions routed to the global branch.
+
 The task's parameters come from the run: its mixture's source of that task (`resolve_task`), else the task's
 defaults (`SourceConfig`), resolved against the run's stage.seq_len, attention.window and model.n_layers.
 """
@@ -17,6 +23,7 @@ import numpy as np
 import torch
 
 from data.synthetic import TASKS, EpisodeBatch, ParamError, SyntheticParams, SyntheticTask, heldout_stream
+from logo.analysis.span_allocation import allocation_stats, routing_recorded
 from logo.eval.load import EvalError
 from logo.eval.progress import Progress
 from logo.eval.scoring import hidden_states, token_logprobs
@@ -67,12 +74,27 @@ def score_episodes(model, batch: EpisodeBatch, device: torch.device) -> tuple[to
     return hits.all(dim=2), hits
 
 
+def far_positions(batch: EpisodeBatch) -> torch.Tensor:
+    """(B, L) bool: the input positions whose prediction is an answer token (far_targets - 1)."""
+    B, L = batch.tokens.shape
+    targets = batch.answer_starts[:, :, None] + np.arange(batch.answer_len)  # (B, A, len)
+    far = torch.zeros(B, L, dtype=torch.bool)
+    far[torch.arange(B)[:, None], torch.from_numpy(targets.reshape(B, -1) - 1)] = True
+    return far
+
+
+def span_stats(z: torch.Tensor, far: torch.Tensor, layer_ids: list[int]) -> dict:
+    """z (L_logo, B, T) routing, far (B, T) -> {"layer_ids", "far": allocation_stats at the far positions, "all":
+    allocation_stats over every position}."""
+    return {"layer_ids": list(layer_ids), "far": allocation_stats(z, far), "all": allocation_stats(z)}
+
+
 @torch.inference_mode()
 def synthetic_accuracy(loaded: Loaded, params: SyntheticParams, episodes: int = 256, batch_size: int = 8,
                        seed: int = 0, progress: Optional[Progress] = None, label: Optional[str] = None) -> dict:
     """Teacher-forced exact-match accuracy of the loaded model on `episodes` held-out episodes of `params`
     (`heldout_stream(seed)`, episodes 0..N-1), `batch_size` episodes per forward. Results dict: task, label, params,
-    seed, episodes, answers, accuracy, token_accuracy, fingerprint."""
+    seed, episodes, answers, accuracy, token_accuracy, fingerprint, and span (only for models with LoGo layers)."""
     if episodes < 1 or batch_size < 1:
         raise EvalError(f"--episodes and --batch-size must be >= 1 (got {episodes}, {batch_size})")
     if params.length > loaded.seq_len:
@@ -86,22 +108,35 @@ def synthetic_accuracy(loaded: Loaded, params: SyntheticParams, episodes: int = 
         raise EvalError(f"the model's vocabulary ({loaded.model.cfg.vocab_size} ids) does not hold the synthetic "
                         f"tokens (up to id {task.vocab.max_id}) of the tokenizer {loaded.cfg.data.tokenizer!r}")
     stream, progress = heldout_stream(seed), progress or Progress(enabled=False)
-    right, token_right = [], []
+    layer_ids = loaded.model.logo_layer_ids
+    right, token_right, routing, far = [], [], [], []
     with progress.bar(episodes, f"synthetic [{params.task}]", unit="episode"):
         for start in range(0, episodes, batch_size):
             batch = task.episodes(range(start, min(start + batch_size, episodes)), stream)
-            with loaded.autocast():
+            sink: list[torch.Tensor] = []
+            with loaded.autocast(), routing_recorded(loaded.model, sink):
                 answers, tokens = score_episodes(loaded.model, batch, loaded.device)
             right.append(answers)
             token_right.append(tokens)
+            if layer_ids:
+                routing.append(torch.stack(sink))  # (L_logo, B, T)
+                far.append(far_positions(batch))
             progress.update(batch.tokens.shape[0], tokens=batch.tokens.size)
     right_all, tokens_all = torch.cat(right), torch.cat(token_right)
-    return {"task": params.task, "label": label or params.task, "params": params.relevant(), "seed": seed,
-            "episodes": episodes, "answers": int(right_all.numel()), "accuracy": float(right_all.float().mean()),
-            "token_accuracy": float(tokens_all.float().mean()), "fingerprint": task.fingerprint}
+    res = {"task": params.task, "label": label or params.task, "params": params.relevant(), "seed": seed,
+           "episodes": episodes, "answers": int(right_all.numel()), "accuracy": float(right_all.float().mean()),
+           "token_accuracy": float(tokens_all.float().mean()), "fingerprint": task.fingerprint}
+    if layer_ids:
+        res["span"] = span_stats(torch.cat(routing, dim=1), torch.cat(far), layer_ids)
+    return res
 
 
 def synthetic_metrics(res: dict) -> dict:
-    """eval/synthetic/<label>/accuracy and eval/synthetic/<label>/token_accuracy."""
+    """eval/synthetic/<label>/accuracy and .../token_accuracy; with span allocation also .../far_global_ratio and
+    .../global_ratio (the mean over LoGo layers at the far positions and at every position)."""
     key = f"eval/synthetic/{res['label']}"
-    return {f"{key}/accuracy": res["accuracy"], f"{key}/token_accuracy": res["token_accuracy"]}
+    out = {f"{key}/accuracy": res["accuracy"], f"{key}/token_accuracy": res["token_accuracy"]}
+    if "span" in res:
+        out.update({f"{key}/far_global_ratio": res["span"]["far"]["mean_ratio"],
+                    f"{key}/global_ratio": res["span"]["all"]["mean_ratio"]})
+    return out

@@ -6,6 +6,10 @@
                 -> ruler/<length> (average over tasks), ruler/<task>/<length>, ruler_avg (mean over lengths)
     lm_eval:    results {task: {metric: value}} (lm-eval's "metric,filter" keys accepted)
                 -> the paper's columns through LM_EVAL_COLUMNS, everything else as lm_eval/<task>/<metric>
+    synthetic:  results {"label", "accuracy", "token_accuracy", "span"?} (one file per task)
+                -> synthetic/<label>/accuracy, synthetic/<label>/token_accuracy (x100, as RULER's scores);
+                span/<label>/far/<layer>, span/<label>/all/<layer> (global ratio of a LoGo layer at the positions
+                predicting an answer token / at every position)
 """
 from __future__ import annotations
 
@@ -111,10 +115,30 @@ def lm_eval_values(results: dict) -> dict[str, float]:
     return out
 
 
+def synthetic_values(results: dict) -> dict[str, float]:
+    if not isinstance(results, dict) or not isinstance(results.get("label"), str) or "/" in results["label"]:
+        return {}  # a label is a task or source name: never a path
+    key, out = results["label"], {}
+    for name in ("accuracy", "token_accuracy"):
+        v = _num(results.get(name))
+        if v is not None:
+            out[f"synthetic/{key}/{name}"] = 100.0 * v
+    span = results.get("span") if isinstance(results.get("span"), dict) else {}
+    layers = span.get("layer_ids") if isinstance(span.get("layer_ids"), list) else []
+    for where in ("far", "all"):
+        ratios = (span.get(where) or {}).get("layer_ratio") if isinstance(span.get(where), dict) else None
+        for layer, r in zip(layers, ratios if isinstance(ratios, list) else []):
+            v = _num(r)
+            if v is not None and isinstance(layer, int):
+                out[f"span/{key}/{where}/{layer}"] = v
+    return out
+
+
 def eval_values(evals: dict[str, dict]) -> dict[str, float]:
-    """All report values of one run's eval/*.json files."""
+    """All report values of one run's eval/*.json files (`read_evals`: each with its "kind")."""
     out = {}
-    readers = {"perplexity": perplexity_values, "ruler": ruler_values, "lm_eval": lm_eval_values}
-    for kind, data in evals.items():
-        out.update(readers[kind](data["results"]))
+    readers = {"perplexity": perplexity_values, "ruler": ruler_values, "lm_eval": lm_eval_values,
+               "synthetic": synthetic_values}
+    for data in evals.values():
+        out.update(readers[data["kind"]](data["results"]))
     return out

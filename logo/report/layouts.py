@@ -2,14 +2,17 @@
 
 A layout names the row-label columns, the paper's metric columns (always shown, "–" when no run has them), which
 cell is the baseline of which (same stage and `match` key), the row order, and whether loss-vs-compute curves
-are fitted. Tables are split by stage (8k pretraining, 32k, 128k). Runs of no paper family get an ad-hoc layout
+are fitted. A column may be a pattern (`synthetic/*/accuracy`: `*` is one path part), one column per value a run
+has. Tables are split by stage (8k pretraining, 32k, 128k). Runs of no paper family get an ad-hoc layout
 (`adhoc_layout`): one of the paper's shapes, titled as what the runs are, showing only the columns they have.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import pandas as pd
 
@@ -44,6 +47,10 @@ class Layout:
     fit: bool = False
     accepts: tuple[str, ...] = ()  # presets of other families that belong in this report
     paper: bool = True  # False: an ad-hoc layout, whose paper columns show only when a run has them
+    compare_columns: bool = False  # test every seeded column of the table against the baseline (else COMPARED)
+    ratio_tail: Optional[float] = None  # realized ratios over this last fraction of each run (else --last-steps)
+    ratio_tolerance: Optional[float] = None  # check every LoGo layer's realized ratio within rho +- this
+    span: bool = False  # the span-allocation table and plot of the synthetic evaluations
 
     def baseline_of(self, cell: Cell, cells: list[Cell]):
         if self.is_baseline(cell):
@@ -86,6 +93,12 @@ LAYOUTS = {
         ruler=True, match=lambda c: (c.size,),
         is_baseline=lambda c: c.model == "inter-layer-H" and c.budget == 0.5 and not c.extra,
         order=lambda c: (model_rank(c), -(c.budget or 0), c.name)),
+    "mini": Layout(
+        "mini", "The controlled comparison in miniature: text + long-range synthetic tasks (paper Table 3 layout)",
+        (("Model", lambda c: c.name),), ("ppl/*", "synthetic/*/accuracy", "ruler/*", "ruler_avg", "ratio_mean"),
+        ruler=False, match=lambda c: (c.size,), is_baseline=lambda c: c.model == "LoGo" and not c.extra,
+        order=lambda c: (model_rank(c), c.name), compare_columns=True, ratio_tail=0.1, ratio_tolerance=0.02,
+        span=True),
 }
 
 
@@ -112,11 +125,27 @@ def _ruler_lengths(cells: list[Cell]) -> list[str]:
     return sorted(keys, key=sort_key)
 
 
-def main_columns(layout: Layout, cells: list[Cell]) -> list[str]:
+def _expand(column: str, present: set[str]) -> list[str]:
+    """A column, or the values a pattern column matches (`*`: one path part), in report order."""
+    if "*" not in column:
+        return [column]
+    pattern = re.compile("^" + "[^/]+".join(map(re.escape, column.split("*"))) + "$")
+    return sorted((k for k in present if pattern.match(k)), key=sort_key)
+
+
+def paper_columns(layout: Layout, cells: list[Cell]) -> list[str]:
+    """The layout's own columns (patterns expanded, RULER per length when the layout has it)."""
     present = set().union(*(c.keys() for c in cells)) if cells else set()
-    cols = [k for k in layout.columns if layout.paper or k in present]
+    cols = [k for col in layout.columns for k in _expand(col, present) if layout.paper or k in present]
     if layout.ruler:
         cols += _ruler_lengths(cells) + (["ruler_avg"] if "ruler_avg" in present and "ruler_avg" not in cols else [])
+    return cols
+
+
+def main_columns(layout: Layout, cells: list[Cell]) -> list[str]:
+    """The paper's columns, then the extra values any run has."""
+    present = set().union(*(c.keys() for c in cells)) if cells else set()
+    cols = paper_columns(layout, cells)
     ppl = sorted(k for k in present if k.startswith("ppl/"))
     cols += [k for k in (*EXTRA_COLUMNS[:2], *ppl, *EXTRA_COLUMNS[2:]) if k in present and k not in cols]
     return cols
@@ -190,3 +219,27 @@ _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#
 
 def _tex(s: str) -> str:
     return "".join(_TEX.get(ch, ch) for ch in s)
+
+
+def span_keys(cells: list[Cell]) -> dict[str, list[int]]:
+    """{synthetic label: LoGo layers} of the span-allocation values (span/<label>/<far|all>/<layer>) the cells have."""
+    out: dict[str, set] = {}
+    for k in {k for c in cells for k in c.keys() if k.startswith("span/")}:
+        _, label, _, layer = k.split("/")
+        out.setdefault(label, set()).add(int(layer))
+    return {label: sorted(out[label]) for label in sorted(out)}
+
+
+def span_table(cells: list[Cell]) -> pd.DataFrame:
+    """Per cell and synthetic task, each LoGo layer's global ratio at the far-context positions and overall
+    (mean ± std over seeds), as "far / all"."""
+    rows = []
+    for label, layers in span_keys(cells).items():
+        for c in cells:
+            if not any(c.stat(f"span/{label}/far/{i}").n for i in layers):
+                continue
+            row = {"Row": c.label, "Task": label}
+            for i in layers:
+                row[f"L{i} far / all"] = f"{cell_text(c, f'span/{label}/far/{i}')} / {cell_text(c, f'span/{label}/all/{i}')}"
+            rows.append(row)
+    return pd.DataFrame(rows)

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Optional
 
 from logo.report.cells import Cell, Comparison, compare, make_cells
+from logo.report.checks import RatioCheck, ratio_checks
 from logo.report.fit import FitError, Multiplier, PowerLawFit, compute_multiplier, fit_power_law
-from logo.report.layouts import LAYOUTS, Layout, adhoc_layout, split_by_stage
+from logo.report.layouts import LAYOUTS, Layout, adhoc_layout, paper_columns, split_by_stage
 from logo.report.runs import Run, Skip, find_run_dirs, load_run
-from logo.report.values import run_values
+from logo.report.values import metric, run_values
 
 COMPARED = ("train_loss", "eval_loss", "wiki_ppl", "lmb_ppl", "csr_avg", "ruler_avg")  # metrics tested vs baseline
 FIT_AXES = (("train_flops", "training FLOPs"), ("params_non_embedding", "non-embedding parameters"))
@@ -57,6 +58,7 @@ class Report:
     comparisons: list[Comparison]
     fits: list[Fit] = field(default_factory=list)
     multipliers: list[tuple[str, str, str, Multiplier]] = field(default_factory=list)  # stage, model, base, m
+    ratio_checks: list[RatioCheck] = field(default_factory=list)  # when the layout asks for the check
 
     @property
     def ordered_cells(self) -> list[Cell]:
@@ -130,7 +132,7 @@ def build_report(args: list[str], settings: Settings, say: Callable[[str], None]
     if not runs:
         raise ReportError(f"no usable runs in {' '.join(args)} ({len(skipped)} skipped, listed above)")
     layout, runs, more, note = choose_family(runs, settings.family)
-    runs, values, bad = _values(runs, settings.last_steps)
+    runs, values, bad = _values(runs, settings.last_steps, layout.ratio_tail)
     cells, twins = make_cells(runs, values)
     for line in more + bad + twins:
         say(line)
@@ -143,19 +145,29 @@ def build_report(args: list[str], settings: Settings, say: Callable[[str], None]
         say(line)
     comparisons = [cmp for stage, row_cells in tables for c in row_cells
                    if (base := layout.baseline_of(c, row_cells)) is not None
-                   for key in COMPARED if (cmp := compare(stage, c, base, key, settings.alpha)) is not None]
+                   for key in compared(layout, row_cells)
+                   if (cmp := compare(stage, c, base, key, settings.alpha)) is not None]
     rep = Report(layout, note, settings, used, skipped, cells, tables, comparisons)
+    if layout.ratio_tolerance is not None:
+        rep.ratio_checks = ratio_checks(rep.ordered_cells, layout.ratio_tolerance)
     if layout.fit:
         _fit(rep, say)
     return rep
 
 
-def _values(runs: list[Run], last_steps: int) -> tuple[list[Run], list[dict], list[str]]:
+def compared(layout: Layout, cells: list[Cell]) -> list[str]:
+    """The metrics tested against the baseline: COMPARED, or every seeded column of the layout's table."""
+    if not layout.compare_columns:
+        return list(COMPARED)
+    return [k for k in paper_columns(layout, cells) if metric(k).seeded]
+
+
+def _values(runs: list[Run], last_steps: int, ratio_tail: Optional[float]) -> tuple[list[Run], list[dict], list[str]]:
     """run_values of every run; a run whose logged values are not numbers is skipped with the reason."""
     kept, values, skipped = [], [], []
     for r in runs:
         try:
-            values.append(run_values(r, last_steps))
+            values.append(run_values(r, last_steps, ratio_tail))
             kept.append(r)
         except (TypeError, ValueError, KeyError) as e:
             skipped.append(f"skipped {r.path}: a logged or evaluation value is not a number ({type(e).__name__}: {e})")

@@ -19,7 +19,7 @@ import yaml
 RUN_FILES = ("config.yaml", "plan.json", "metrics.jsonl")
 NOT_RUNS = {"checkpoints", "wandb", "tensorboard", "plots", "eval", "__pycache__"}  # never searched for runs
 STILL_RUNNING_S = 30 * 60  # an incomplete run whose metrics.jsonl changed more recently is called "still running"
-EVAL_KINDS = ("perplexity", "ruler", "lm_eval")
+EVAL_KINDS = ("perplexity", "ruler", "lm_eval", "synthetic")
 
 
 class Skip(Exception):
@@ -32,7 +32,7 @@ class Run:
     config: dict  # the resolved config.yaml
     plan: dict  # plan.json
     records: list[dict]  # metrics.jsonl, superseded (pre-resume) records removed
-    evals: dict[str, dict] = field(default_factory=dict)  # eval kind -> eval/<kind>.json
+    evals: dict[str, dict] = field(default_factory=dict)  # eval/<name>.json by name (perplexity, synthetic_<label>)
     notes: list[str] = field(default_factory=list)  # remarks for the run's "used" line
     complete: bool = True
 
@@ -238,7 +238,8 @@ def _incomplete_reason(d: Path, last: int, steps: int, now: Optional[float]) -> 
 
 
 def read_evals(d: Path, run: Run) -> dict[str, dict]:
-    """eval/<kind>.json files (kind: perplexity, ruler, lm_eval); unreadable or unknown ones become notes."""
+    """eval/<name>.json files by name, each with its "kind" (perplexity, ruler, lm_eval: one file each, named
+    as the kind; synthetic: synthetic_<label>.json per task); unreadable or unknown ones become notes."""
     out: dict[str, dict] = {}
     ev = d / "eval"
     if not ev.is_dir():
@@ -256,5 +257,5 @@ def read_evals(d: Path, run: Run) -> dict[str, dict]:
         step = data.get("step")
         if isinstance(step, int) and step != run.last_step:
             run.notes.append(f"eval/{path.name} is of step {step}, the run's last step is {run.last_step}")
-        out[kind] = data
+        out[path.stem if kind == "synthetic" else kind] = {**data, "kind": kind}
     return out

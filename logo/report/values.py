@@ -65,6 +65,10 @@ def metric(key: str) -> Metric:
         return Metric(key, f"{parts[1]} loss", "lower", "3")
     if parts[0] == "ratio":
         return Metric(key, f"ratio L{parts[1]}", None, "3")
+    if parts[0] == "synthetic" and len(parts) == 3:
+        return Metric(key, f"{parts[1]} {'acc.' if parts[2] == 'accuracy' else 'token acc.'}", "higher", "1")
+    if parts[0] == "span" and len(parts) == 4:
+        return Metric(key, f"{parts[1]} L{parts[3]} global ratio ({parts[2]})", None, "3")
     if parts[0] == "lm_eval":
         lower = "perplexity" in parts[-1] or parts[-1] in ("bits_per_byte", "byte_perplexity")
         return Metric(key, f"{parts[1]} {parts[2]}", "lower" if lower else "higher", "4")
@@ -103,10 +107,11 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs)
 
 
-def run_values(run: Run, last_steps: int) -> dict[str, float]:
+def run_values(run: Run, last_steps: int, ratio_tail: Optional[float] = None) -> dict[str, float]:
     """The run's report values. train_loss: mean logged loss over the last `last_steps` optimizer steps (at least
     the last logged step); ratios: the budget reporting's window means when logged, else the mean over the same
-    steps; FLOPs: the plan's per-token FLOPs x the tokens trained; compute time: logged wall time x world size,
+    steps, or with `ratio_tail` the mean of the logged window means (else per-step ratios) over that last fraction
+    of the run's steps (`tail_records`); FLOPs: the plan's per-token FLOPs x the tokens trained; compute time: logged wall time x world size,
     as GPU-hours, CPU process-hours or (device not recorded) process-hours; held-out loss: the training loop's."""
     train = run.train_records
     last = train[-1]
@@ -127,7 +132,7 @@ def run_values(run: Run, last_steps: int) -> dict[str, float]:
     hours = process_hours(train, plan.get("world_size", 1))
     if hours is not None:
         v[HOURS_KEYS[run.device]] = hours
-    v.update(_ratios(window, last))
+    v.update(_ratios(window, last) if ratio_tail is None else _ratios(tail_records(train, ratio_tail), last, tail=True))
     # Held-out values logged with a training step; `python -m logo.eval perplexity` appends records without a
     # training loss, whose results are the ppl/<dataset> values of eval/perplexity.json.
     for key, name in (("eval/loss", "eval_loss"), ("eval/ppl", "eval_ppl")):
@@ -138,16 +143,28 @@ def run_values(run: Run, last_steps: int) -> dict[str, float]:
     return v
 
 
-def _ratios(window: list[dict], last: dict) -> dict[str, float]:
+def tail_records(train: list[dict], fraction: float) -> list[dict]:
+    """The training records of the last `fraction` of the run's steps (step > (1 - fraction) x last step; at
+    least the last record)."""
+    last = train[-1]["step"]
+    return [r for r in train if r["step"] > (1.0 - fraction) * last] or train[-1:]
+
+
+def _ratios(window: list[dict], last: dict, tail: bool = False) -> dict[str, float]:
+    """Per-layer ratios: the last record's window means (or, `tail`, the mean of the window means over the records
+    of `window`), else the mean of the per-step ratios over `window`."""
     out = {}
-    per_layer = {int(m.group(1)): float(x) for k, x in last.items() if (m := RATIO_WINDOW.match(k))}
-    if not per_layer:
-        layers = sorted({int(m.group(1)) for r in window for k in r if (m := RATIO.match(k))})
-        per_layer = {i: _mean(r[f"logo/ratio/layer_{i}"] for r in window if f"logo/ratio/layer_{i}" in r)
-                     for i in layers}
+    per_layer = {}
+    for pattern in (RATIO_WINDOW, RATIO):
+        records = window if tail or pattern is RATIO else [last]
+        layers = sorted({int(m.group(1)) for r in records for k in r if (m := pattern.match(k))})
+        name = "logo/ratio_window/layer_" if pattern is RATIO_WINDOW else "logo/ratio/layer_"
+        per_layer = {i: _mean(r[f"{name}{i}"] for r in records if f"{name}{i}" in r) for i in layers}
+        if per_layer:
+            break
     for i, x in per_layer.items():
-        out[f"ratio/{i}"] = x
-    if isinstance(last.get("logo/ratio_window_mean"), (int, float)):
+        out[f"ratio/{i}"] = float(x)
+    if not tail and isinstance(last.get("logo/ratio_window_mean"), (int, float)):
         out["ratio_mean"] = float(last["logo/ratio_window_mean"])
     elif per_layer:
         out["ratio_mean"] = _mean(per_layer.values())

@@ -18,7 +18,8 @@ import pandas as pd
 
 from data.outputs import OutputError, OutputKind, check_out, folder_swapped_in
 from logo.report import plots
-from logo.report.layouts import full_table, main_table, ratio_table, ruler_task_table
+from logo.report.checks import check_summary
+from logo.report.layouts import full_table, main_table, ratio_table, ruler_task_table, span_keys, span_table
 from logo.report.report import FIT_AXES, Report, ReportError
 from logo.report.values import fmt, metric
 
@@ -90,6 +91,23 @@ def multipliers_frame(rep: Report) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def ratio_check_frame(rep: Report) -> pd.DataFrame:
+    """One row per LoGo layer of every LoGo run: its realized ratio, rho, the difference and the verdict."""
+    return pd.DataFrame([{"run_dir": c.run, "row": c.row, "train_seed": c.seed, "layer": c.layer, "ratio": c.ratio,
+                          "rho": c.rho, "diff": c.off, "tolerance": c.tolerance, "within": c.within}
+                         for c in rep.ratio_checks])
+
+
+def ratio_check_table(rep: Report) -> pd.DataFrame:
+    """Runs x LoGo layers, each layer's ratio marked "(off)" when outside rho +- tolerance."""
+    rows: dict[str, dict] = {}
+    for c in rep.ratio_checks:
+        row = rows.setdefault(c.run, {"Run": c.run, "Seed": str(c.seed), "rho": _num(c.rho, 3)})
+        if c.layer is not None:
+            row[f"L{c.layer}"] = f"{c.ratio:.3f}" + ("" if c.within else " (off)")
+    return pd.DataFrame(list(rows.values())).fillna("–")
+
+
 def runs_frame(rep: Report) -> pd.DataFrame:
     rows = []
     for c in rep.ordered_cells:
@@ -106,13 +124,26 @@ def _header(rep: Report) -> str:
         f"- family: {rep.family_note}",
         f"- runs: {len(rep.used)} used in {len(rep.cells)} rows, {len(rep.skipped)} skipped (listed at the end)",
         f"- train loss: mean of the logged training loss over the last {s.last_steps} optimizer steps of each run; "
-        f"realized global ratio: the budget reporting's window mean when logged, else the mean over the same steps",
+        f"realized global ratio: {_ratio_note(rep)}",
         "- cells: mean ± sample standard deviation over seeds (`n` = seeds); `–` = no run has the value",
         f"- seed noise: a row's difference from its baseline row is tested with Welch's t-test (two-sided, "
         f"alpha {s.alpha}); it needs >= 2 seeds on both sides",
-        f"- fits: {s.fit_metric} = E + A * x^-alpha per model (scipy curve_fit), {int(s.level * 100)}% percentile "
-        f"intervals from {s.n_boot} residual-bootstrap refits; training FLOPs = the plan's train FLOPs per token "
-        f"(6 N + attention) x tokens trained", *_compute_time_note(rep), ""])
+        *_fit_note_line(rep), *_compute_time_note(rep), ""])
+
+
+def _fit_note_line(rep: Report) -> list[str]:
+    """The header line saying how curves are fitted, for a layout that fits them."""
+    s = rep.settings
+    return [f"- fits: {s.fit_metric} = E + A * x^-alpha per model (scipy curve_fit), {int(s.level * 100)}% "
+            f"percentile intervals from {s.n_boot} residual-bootstrap refits; training FLOPs = the plan's train FLOPs "
+            f"per token (6 N + attention) x tokens trained"] if rep.layout.fit else []
+
+
+def _ratio_note(rep: Report) -> str:
+    if rep.layout.ratio_tail is not None:
+        return (f"mean of the logged window means (else per-step ratios) over the last {rep.layout.ratio_tail:.0%} "
+                f"of each run's steps")
+    return "the budget reporting's window mean when logged, else the mean over the same steps"
 
 
 def _compute_time_note(rep: Report) -> list[str]:
@@ -144,6 +175,15 @@ def report_markdown(rep: Report, files: list[str]) -> str:
     ratios = ratio_table(rep.ordered_cells)
     if len(ratios):
         parts += ["## Realized global ratio per layer", "", _md(ratios), ""]
+    if rep.layout.ratio_tolerance is not None:
+        parts += ["## Realized ratio check", "", check_summary(rep.ratio_checks, rep.layout.ratio_tail or 0.0), "",
+                  _md(ratio_check_table(rep)), ""]
+    spans = span_table(rep.ordered_cells) if rep.layout.span else pd.DataFrame()
+    if len(spans):
+        parts += ["## Span allocation on the synthetic tasks", "",
+                  "Per LoGo layer, the fraction of tokens routed global at the positions that predict an answer "
+                  "token (far-context positions) / at every position of the held-out episodes "
+                  "(`python -m logo.eval synthetic`); mean ± std over seeds.", "", _md(spans), ""]
     pngs = [f for f in files if f.endswith(".png")]
     if pngs:
         parts += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in pngs] + [""]
@@ -166,6 +206,8 @@ def report_json(rep: Report) -> dict:
                          "x_model": mu.x_other if math.isfinite(mu.x_other) else None, "multiplier": mu.value,
                          "interval": mu.interval, "extrapolated": mu.extrapolated}
                         for s, m, b, mu in rep.multipliers],
+        **({"ratio_check": ratio_check_frame(rep).to_dict(orient="records")}
+           if rep.layout.ratio_tolerance is not None else {}),
     }
 
 
@@ -201,6 +243,12 @@ def _plots(rep: Report, out: Path) -> list[str]:
             names += [p.name] if p else []
     for p in (plots.ratio_per_layer(rep.ordered_cells, out / "ratio_per_layer.png"),
               plots.loss_curves(rep.ordered_cells, out / "loss_curves.png")):
+        names += [p.name] if p else []
+    if rep.layout.ratio_tolerance is not None:
+        p = plots.ratio_heatmap(rep.ratio_checks, out / "ratio_heatmap.png")
+        names += [p.name] if p else []
+    if rep.layout.span:
+        p = plots.span_allocation(rep.ordered_cells, span_keys(rep.ordered_cells), out / "span_allocation.png")
         names += [p.name] if p else []
     return names
 
@@ -238,7 +286,9 @@ def _write_files(rep: Report, tmp: Path) -> list[str]:
                                                            caption=f"{rep.layout.title}; stage {stage}")
         files += [f"table_{stage}.md", f"table_{stage}.csv", f"table_{stage}.tex"]
     for name, df in (("runs.csv", runs_frame(rep)), ("comparisons.csv", comparisons_frame(rep)),
-                     ("fits.csv", fits_frame(rep)), ("multipliers.csv", multipliers_frame(rep))):
+                     ("fits.csv", fits_frame(rep)), ("multipliers.csv", multipliers_frame(rep)),
+                     ("ratio_check.csv", ratio_check_frame(rep)),
+                     ("span_allocation.csv", span_table(rep.ordered_cells) if rep.layout.span else pd.DataFrame())):
         if len(df):
             df.to_csv(tmp / name, index=False)
             files.append(name)
