@@ -276,7 +276,7 @@ def test_decode_benchmark_runs_with_its_anchor(tmp_path):
 
 @pytest.mark.parametrize("name", ["full", "local", "intra_layer", "logo", "logo_so", "logo_full_params",
                                   "logo_additive_no_norm"])
-def test_block_step_compiles_as_one_graph(name):
+def test_decode_step_compiles_as_one_graph(name):
     """A decoding step through the block's own forward, as torch.compile fuses it on a GPU, traces without a graph
     break (fullgraph) and gives the eager step's outputs, caches and routing counts (traced here with the
     aot_eager backend: no code generation)."""

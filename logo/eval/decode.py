@@ -95,7 +95,7 @@ class Decoder:
         self.steps_run = 0  # steps since the prefill (host count: the capacity check needs no device value)
         self.prompt_max = 0
         self.stats = DecodeStats()
-        self.block_step = compiled_block_forward() if self.device.type == "cuda" else block_forward
+        self.block_forward = compiled_block_forward() if self.device.type == "cuda" else block_forward
 
     @property
     def cache_bytes(self) -> int:
@@ -172,7 +172,7 @@ class Decoder:
         with self._autocast():
             h = self.model.tok_embeddings(self.tokens[:, None])  # (B, 1, d)
             for block, c in zip(self.blocks, self.caches):
-                h = self.block_step(block, h, cos, sin, self.decode_step, c)
+                h = self.block_forward(block, h, cos, sin, self.decode_step, c)
             self.logits.copy_(self.model.output(self.model.norm(h[:, 0])))
         self.pos += self.active
 
