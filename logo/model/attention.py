@@ -48,8 +48,9 @@ def local(ops: dispatch.AttentionOps, q, k, v, seqs: PackedSeqs, window: int, ba
 
 
 class QKVAttention(nn.Module):
-    """Shared projections W_q, W_k, W_v, W_o of a multi-head attention layer. A subclass gives `encode` (a forward
-    over packed sequences, writing the caches when given) and `cache_heads`; the decode step is shared."""
+    """Shared projections W_q, W_k, W_v, W_o of a multi-head attention layer. A subclass gives `encode` (its
+    forward over packed sequences, writing a prefill's caches when given) and how many heads are global
+    (`global_heads`, which lays out the caches); the decoding step over the caches is shared (LoGo has its own)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -99,12 +100,15 @@ class QKVAttention(nn.Module):
         """Bytes of one row's decoding caches."""
         return LayerCache.row_bytes(self.cache_heads(), capacity, self.attn_cfg.window, self.head_dim, dtype)
 
-    def write_cache(self, cache: CacheWrite | None, kr, v) -> None:
-        """The prompts' rotated keys kr and values v (B, T, H, D): the global heads' into the dense cache, the
-        others' into the ring."""
+    def rotated_qkv(self, x, cos, sin, cache: CacheWrite | None):
+        """x (B, T, d) -> RoPE(q), RoPE(k), v (B, T, H, D); with a prefill's `cache`, the keys and values are
+        written too: the global heads' into the dense cache, the others' into the ring."""
+        q, k, v = self.project(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             g = self.global_heads()
-            cache.write((kr[:, :, :g], v[:, :, :g]), (kr[:, :, g:], v[:, :, g:]))
+            cache.write((k[:, :, :g], v[:, :, :g]), (k[:, :, g:], v[:, :, g:]))
+        return q, k, v
 
     def decode(self, x, cos, sin, step: DecodeStep, cache: LayerCache) -> torch.Tensor:
         """One token per row: x (B, 1, d), cos/sin (B, D/2) -> (B, 1, d); the global heads over the dense cache,
@@ -123,9 +127,7 @@ class QKVAttention(nn.Module):
 
 class FullAttention(QKVAttention):
     def encode(self, x, cos, sin, seqs: PackedSeqs, cache: CacheWrite | None = None):
-        q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.write_cache(cache, k, v)
+        q, k, v = self.rotated_qkv(x, cos, sin, cache)
         o = causal(self.attention_ops, q, k, v, seqs, self.attn_cfg.backend)
         return self.wo(o.flatten(2)), None, None
 
@@ -135,9 +137,7 @@ class LocalAttention(QKVAttention):
         return 0
 
     def encode(self, x, cos, sin, seqs: PackedSeqs, cache: CacheWrite | None = None):
-        q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.write_cache(cache, k, v)
+        q, k, v = self.rotated_qkv(x, cos, sin, cache)
         o = local(self.attention_ops, q, k, v, seqs, self.attn_cfg.window, self.attn_cfg.backend)
         return self.wo(o.flatten(2)), None, None
 
@@ -154,9 +154,7 @@ class IntraLayerHybridAttention(QKVAttention):
         return self.n_global
 
     def encode(self, x, cos, sin, seqs: PackedSeqs, cache: CacheWrite | None = None):
-        q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.write_cache(cache, k, v)
+        q, k, v = self.rotated_qkv(x, cos, sin, cache)
         g, ops, a = self.n_global, self.attention_ops, self.attn_cfg
         parts = []
         if g > 0:
