@@ -228,7 +228,8 @@ def cudnn_flex(T, rhos):
 def routing_cost(T):
     """Gate routing + the static partition of the rows (selected first), as the model does it (no host sync)."""
     from logo.model.layers import PackedSeqs
-    from logo.model.routing import partition, route
+    from logo.model.logo_attention import route
+    from logo.model.routing import partition
     seqs = PackedSeqs.build(B, T, "cuda")
     p = torch.rand(B * T, device="cuda")
     th = torch.full((1,), 0.5, device="cuda")

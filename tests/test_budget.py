@@ -139,9 +139,10 @@ def test_gate_histogram_counts_each_valid_token_in_its_bin():
 
 
 def test_compiled_gate_histogram_equals_histc():
-    """Under torch.compile the histogram is a one-hot sum (`one_hot_counts`); the same counts as histc's, bin for
-    bin, on the same bin indices (and through the whole compiled function, aot_eager: eager's arithmetic)."""
-    from logo.model.controller import one_hot_counts
+    """Under torch.compile the histogram is a one-hot sum (`logo.kernels.gate.one_hot_counts`); the same counts as
+    histc's, bin for bin, on the same bin indices (and through the whole compiled function, aot_eager: eager's
+    arithmetic)."""
+    from logo.kernels.gate import one_hot_counts
     g = torch.Generator().manual_seed(4)
     p = torch.cat([torch.sigmoid(0.02 * torch.randn(3000, generator=g)), torch.rand(2000, generator=g),
                    torch.tensor([0.0, 1.0, float("nan"), 0.5])])

@@ -276,28 +276,29 @@ def test_decode_benchmark_runs_with_its_anchor(tmp_path):
 
 @pytest.mark.parametrize("name", ["full", "local", "intra_layer", "logo", "logo_so", "logo_full_params",
                                   "logo_additive_no_norm"])
-def test_block_step_compiles_as_one_graph(name):
-    """The step torch.compile fuses on a GPU traces without a graph break (fullgraph) and gives the eager
-    step's outputs, caches and routing counts (traced here with the aot_eager backend: no code generation)."""
-    from logo.eval.decode import StepInputs, block_step, new_caches
+def test_decode_step_compiles_as_one_graph(name):
+    """A decoding step through the block's own forward, as torch.compile fuses it on a GPU, traces without a graph
+    break (fullgraph) and gives the eager step's outputs, caches and routing counts (traced here with the
+    aot_eager backend: no code generation)."""
+    from logo.eval.decode import block_forward
+    from logo.model.kv_cache import DecodeStep
+    from logo.model.layers import rope_cos_sin
     model = make_model(KINDS[name])
     block = model.layers["0"]
     B, S = 3, 16
     pos = torch.tensor([2, 7, 11])
-    from logo.model.layers import rope_cos_sin
     cos, sin = rope_cos_sin(S, model.cfg.head_dim, model.cfg.rope_theta, torch.device("cpu"))
-    s = StepInputs(pos, cos[pos], sin[pos], torch.tensor([True, False, True]))
     h = torch.randn(B, 1, model.cfg.dim, dtype=torch.float64)
     outs = []
-    for fn in (block_step, torch.compile(block_step, backend="aot_eager", fullgraph=True)):
+    for fn in (block_forward, torch.compile(block_forward, backend="aot_eager", fullgraph=True)):
         torch.manual_seed(0)
-        c = new_caches(block.attention, block.attention_kind, B, S, torch.float64, torch.device("cpu"))
+        c = block.attention.new_cache(B, S, torch.float64, torch.device("cpu"))
         for t in (c.dense, c.ring):
             if t is not None:
                 t.k.normal_(), t.v.normal_()
-        counts = torch.zeros(3, dtype=torch.float64)
+        step = DecodeStep(pos, torch.tensor([True, False, True]), torch.zeros(3, dtype=torch.float64))
         with torch.no_grad():
-            outs.append((fn(block, c, h, s, counts), c, counts))
+            outs.append((fn(block, h, cos[pos], sin[pos], step, c), c, step.counts))
     (a, ca, na), (b, cb, nb) = outs
     torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(na, nb, atol=0, rtol=0)

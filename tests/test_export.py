@@ -72,6 +72,8 @@ def tokens():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_export_matches_native_logits_and_routing(preset, tmp_path, tokens):
+    """The exported folder gives the native model's logits (fp32) and routing; its remote code gives them in float64
+    to 1e-10, so every attention kind of the standalone modeling_logo.py is checked against the package's layers."""
     make_run(tmp_path / "run", preset)
     out = export(tmp_path / "run", tmp_path / "hf", dtype="fp32")
     native = logo.load_pretrained(tmp_path / "run", device="cpu")
@@ -103,6 +105,26 @@ def test_export_matches_native_logits_and_routing(preset, tmp_path, tokens):
         z, z_hf = p > b, p_hf > hfa.threshold
         assert 0 < int(z.sum()) < z.numel(), "the test needs both routes"
         assert torch.equal(z[clear], z_hf[clear])
+    if preset != "full":  # the remote code against the package's layers: the same logits in float64
+        hf64 = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float64).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf64(tokens).logits, native.model.double()(tokens).logits, atol=1e-10,
+                                       rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_remote_fusion_is_the_package_rule(dtype, weighted):
+    """The exported file's copy of the fusion rule (it imports nothing of logo) gives the package's bit for bit."""
+    from logo.export.remote import modeling_logo
+    from logo.kernels.reference import gated_fusion
+    g = torch.Generator().manual_seed(0)
+    n_l, n_g = (torch.randn(64, 2, 8, generator=g).to(dtype) for _ in range(2))
+    p = torch.rand(64, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    z = torch.rand(64, generator=g) > 0.5
+    want = gated_fusion(n_l, n_g, p, z, weighted)
+    assert torch.equal(modeling_logo.gated_fusion(n_l, n_g, p, z, weighted), want)
+    assert torch.equal(want[~z], n_l[~z]) and not torch.equal(want[z], n_l[z])
 
 
 @pytest.mark.parametrize("preset", ["logo", "intra_layer", "logo_full_params"])

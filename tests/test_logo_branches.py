@@ -43,7 +43,7 @@ def problem(dtype, select: str = "half", seed: int = 0, cu=(0, 10, 24, 31, 48)):
 
 
 def separate(q, k, v, A, cos, sin, seqs, sel, impl):
-    """What the layer runs without the op pair (`AttentionOps._composed_branches`): three differentiable ops."""
+    """What the layer runs without the op pair (`LoGoAttention.attend_branches`): three differentiable ops."""
     qr, kr, qg, kg, vg = ops.rope_transform(q, k, v, A, cos, sin, impl != "reference")
     o_local = ops.sliding_window_attention(qr, kr, v, seqs.cu_seqlens, WINDOW, impl=impl)
     o_global = ops.query_sparse_attention(qg, kg, vg, seqs.pos, sel.rows, sel.cu_seqlens_q, seqs.cu_seqlens,

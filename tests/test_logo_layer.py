@@ -371,9 +371,10 @@ def test_gate_weight_gradient_from_the_bf16_copy():
     assert not torch.equal(dw1, dw0)  # it did read the bf16 copy
 
 
-def test_gate_weight_gradient_is_fp32_when_compiled_under_autocast():
-    """A compiled graph traces the gate's backward under the caller's autocast: its products must stay fp32 there
-    too (a bf16 dw_g differs from eager's by ~1e-2, and the compiled graph then keeps a bf16 copy of x_low)."""
+def test_compiled_gate_takes_the_plain_fp32_product_under_autocast():
+    """Compiled, the gate handed x_low computes the plain fp32 product (`logo.kernels.gate.gate_logit`: Inductor
+    fuses its weight gradient into the block's row reductions): its gradients are eager Gate(x)'s, in fp32 under
+    the caller's bf16 autocast (a bf16 dw_g would differ by ~1e-2), not the narrow copy's."""
     from logo.model.logo_attention import Gate
     torch.manual_seed(0)
     gate = Gate(64)
@@ -381,15 +382,17 @@ def test_gate_weight_gradient_is_fp32_when_compiled_under_autocast():
     x = torch.randn(2, 256, 64)
     weights = torch.linspace(-1, 1, 512)
     grads = []
-    for fn in (gate, torch.compile(gate, backend="aot_eager", fullgraph=True)):
+    compiled = torch.compile(gate, backend="aot_eager", fullgraph=True)
+    for fn, low in ((gate, False), (compiled, True), (gate, True)):
         xx = x.clone().requires_grad_()
         gate.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = xx * 1.0
-            p = fn(y, y.to(torch.bfloat16))
+            p = fn(y, y.to(torch.bfloat16) if low else None)
         (p * weights).sum().backward()
         grads.append((gate.weight.grad, xx.grad))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(grads[2][0], grads[0][0])  # eagerly, the narrow copy's dw_g
 
 
 def test_gate_takes_the_narrow_copy_path_only_when_handed_x_low():

@@ -196,9 +196,8 @@ class _SeparateOps(dispatch.AttentionOps):
     def recomputes_branch_inputs(self):
         return torch.is_grad_enabled() and self.recompute == "always"
 
-    def _composed_branches(self, q, k, v, cos, sin, batch, q_pos, rows, cu_q, cu_k, window, backend, A, global_qkv):
-        return super()._composed_branches(q, k, v, cos, sin, batch, q_pos, rows, cu_q, cu_k, window, backend,
-                                          A if self.fused else None, global_qkv)
+    def fuses_rope_transform(self, q, A, backend):
+        return self.fused and super().fuses_rope_transform(q, A, backend)
 
 
 def _layer(fused: bool, recompute: str = "never"):

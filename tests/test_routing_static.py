@@ -9,7 +9,8 @@ import torch
 from logo.kernels import reference as R
 from logo.kernels.rope import apply_rope, apply_rope_rows, upcast
 from logo.model.layers import PackedSeqs, rope_cos_sin
-from logo.model.routing import partition, route
+from logo.model.logo_attention import route
+from logo.model.routing import partition
 from test_logo_layer import make_layer
 
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from logo.model.routing import route
+from logo.model.logo_attention import route
 
 
 @contextmanager

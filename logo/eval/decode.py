@@ -1,11 +1,13 @@
 """Decoding with static KV caches for every attention kind, with LoGo's global skip inside the step (paper Sec. 3.3,
 App. B): a decode step is a fixed sequence of device operations, replayed as one CUDA graph on a GPU.
 
-Prefill runs the right-padded prompts through the model's own blocks (the training kernels), a group of rows at a
-time (`PREFILL_TOKENS` per group, so a long prompt's activations stay bounded), and fills the caches
-(`logo.eval.kv_cache`: dense caches of every position, ring buffers of the last `window`), allocated once at their
-final size. Then one token per row and step, from static buffers (the tokens, each row's position and whether it
-is still generating, all on the device):
+Decoding runs the model's own blocks: every attention module's forward takes the layer's caches
+(`logo.model.kv_cache`; the layer code is `logo.model.attention` and `logo.model.logo_attention`). Prefill runs
+the right-padded prompts through the blocks with the training kernels, a group of rows at a time (`PREFILL_TOKENS`
+per group, so a long prompt's activations stay bounded), and the forward writes the caches (dense caches of every
+position, ring buffers of the last `window`), allocated once at their final size. Then one token per row and
+step, from static buffers (the tokens, each row's position and whether it is still generating, all on the
+device), each block's forward given a `DecodeStep`:
 
 - full attention: the dense cache, the decode kernel over each row's positions 0..pos;
 - local (sliding window): the ring buffer;
@@ -14,7 +16,7 @@ is still generating, all on the device):
   ring; global keys/values of every token go into the dense cache (later selected queries see them); the global
   branch is the decode kernel over the dense cache with z as its active rows: the programs of unselected rows
   return at once, so its work follows the selected rows with no host branch (the "serving kernel that compacts
-  active rows"); fusion by a select over rows. Inter-layer hybrids mix the above per layer.
+  active rows"); the layer's own fusion. Inter-layer hybrids mix the above per layer.
 
 No step reads a device value on the host: positions advance on the device, routing counts accumulate there
 (`DecodeStats`, read once at the end). On CUDA each block's step goes through torch.compile (its elementwise work
@@ -33,20 +35,11 @@ from typing import Optional
 
 import torch
 
-from logo.eval.kv_cache import DenseCache, RingCache
-from logo.kernels import dispatch
-from logo.kernels.rope import apply_rope, apply_rope_rows, upcast
+from logo.model.kv_cache import DecodeStep, LayerCache
 from logo.model.layers import PackedSeqs, rope_cos_sin
 
 PREFILL_TOKENS = 1 << 17  # rows x padded prompt length run through the blocks at once
 CHECK_EVERY = 8  # decode steps between the host's looks at which rows are done (one sync each)
-
-
-@dataclass
-class LayerCaches:
-    kind: str  # full | local | intra_layer | logo
-    dense: Optional[DenseCache] = None
-    ring: Optional[RingCache] = None
 
 
 @dataclass
@@ -64,115 +57,21 @@ class DecodeStats:
                 "skipped_fraction": self.skipped / max(self.layer_steps, 1)}
 
 
-# --- LoGo global-branch projections from the layer's public building blocks ---------------------------------
-def _global_kv(attn, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Pre-RoPE global keys and values of every token: x (..., d), local k, v (..., H, D); the key/value half of
-    `LoGoAttention.global_branch_qkv`, for the prefill, which needs no global queries."""
-    if attn.attn_cfg.transform == "full":
-        return attn.wk_g(x).view(k.shape), attn.wv_g(x).view(v.shape)
-    return attn.transform(1, k), attn.transform(2, v)
+def block_forward(block, h, cos, sin, seqs, cache) -> torch.Tensor:
+    """The block's own forward, its hidden state only: h (B, T, d) -> (B, T, d)."""
+    return block(h, cos, sin, seqs, cache=cache)[0]
 
 
-def _n_global_heads(attn, kind: str) -> int:
-    return {"full": attn.n_heads, "local": 0, "logo": 0}.get(kind, getattr(attn, "n_global", 0))
+_compiled_block_forward = None
 
 
-def new_caches(attn, kind: str, batch: int, capacity: int, dtype, device) -> LayerCaches:
-    """A layer's empty caches, at their final size."""
-    H, D, W = attn.n_heads, attn.head_dim, attn.attn_cfg.window
-    g = _n_global_heads(attn, kind)
-    c = LayerCaches(kind)
-    if kind == "logo":
-        c.dense = DenseCache(batch, H, capacity, D, dtype, device)
-    elif g > 0:
-        c.dense = DenseCache(batch, g, capacity, D, dtype, device)
-    if g < H:  # local heads (all heads of local and LoGo layers)
-        c.ring = RingCache(batch, H - g, W, capacity, D, dtype, device)
-    return c
-
-
-def prefill_layer(attn, c: LayerCaches, rows: slice, x, cos, sin, lengths: Sequence[int]) -> None:
-    """Fill a layer's caches for `rows` from its attention input x (b, T, d), cos/sin (T, D/2)."""
-    q, k, v = attn.project(x)  # (b, T, H, D) pre-RoPE
-    kr = apply_rope(k, cos, sin)
-    g = _n_global_heads(attn, c.kind)
-    if c.kind == "logo":  # global branch: keys/values of every token
-        kg, vg = _global_kv(attn, x, k, v)
-        c.dense.prefill(rows, apply_rope(kg, cos, sin), vg)
-    elif g > 0:
-        c.dense.prefill(rows, kr[:, :, :g], v[:, :, :g])
-    if c.ring is not None:
-        c.ring.prefill(rows, kr[:, :, g:], v[:, :, g:], lengths)
-
-
-# --- one decoding step, from the static buffers ----------------------------------------------------------------
-@dataclass
-class StepInputs:
-    """Where each row's new token sits: pos (B,) int64, its RoPE angles cos/sin (B, D/2), active (B,) bool."""
-
-    pos: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    active: torch.Tensor
-
-
-def _attend(q, cache, s: StepInputs, active: torch.Tensor) -> torch.Tensor:
-    return dispatch.decode_attention(q, cache.k, cache.v, cache.lengths(s.pos), active)
-
-
-def step_layer(attn, c: LayerCaches, x, s: StepInputs, counts: torch.Tensor) -> torch.Tensor:
-    """A layer's attention output for one token per row: x (B, 1, d) -> (B, 1, d)."""
-    q, k, v = (t[:, 0] for t in attn.project(x))  # (B, H, D) pre-RoPE
-    qr, kr = apply_rope_rows(q, s.cos, s.sin), apply_rope_rows(k, s.cos, s.sin)
-    if c.kind == "logo":
-        o = _logo_mix(attn, c, x[:, 0], q, k, v, qr, kr, s, counts)
-    else:
-        g = c.dense.k.shape[1] if c.dense is not None else 0
-        parts = []
-        if c.dense is not None:
-            c.dense.append(kr[:, :g], v[:, :g], s.pos)
-            parts.append(_attend(qr[:, :g], c.dense, s, s.active))
-        if c.ring is not None:
-            c.ring.append(kr[:, g:], v[:, g:], s.pos)
-            parts.append(_attend(qr[:, g:], c.ring, s, s.active))
-        o = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (B, H, D)
-    return attn.wo(o.flatten(1))[:, None]
-
-
-def _logo_mix(attn, c: LayerCaches, x, q, k, v, qr, kr, s: StepInputs, counts: torch.Tensor) -> torch.Tensor:
-    """LoGo before W_o for one token per row: x (B, d); q, k, v pre-RoPE and qr, kr rotated (B, H, D)."""
-    p = attn.gate_probs(x[:, None])  # (B,) fp32
-    z = (p > attn.threshold) & s.active  # (B,) the routing decision, on the device
-    c.ring.append(kr, v, s.pos)
-    o = attn.norm_local(_attend(qr, c.ring, s, s.active))  # (B, H, D)
-    qg, kg, vg = attn.global_branch_qkv(x, q, k, v)  # (B, H, D) pre-RoPE, every row
-    c.dense.append(apply_rope_rows(kg, s.cos, s.sin), vg, s.pos)  # every token: later selected queries see it
-    qg = apply_rope_rows(qg, s.cos, s.sin)
-    og = attn.norm_global(_attend(qg, c.dense, s, z))  # unselected rows: no work, zeros
-    p_ = p[:, None, None]
-    o_l = upcast(o)
-    fused = ((1.0 - p_) * o_l if attn.attn_cfg.fusion == "weighted" else o_l) + p_ * upcast(og)
-    n = z.sum()
-    counts += torch.stack((s.active.sum(), n, (n == 0) & s.active.any())).to(counts.dtype)
-    return torch.where(z[:, None, None], fused.to(o.dtype), o)
-
-
-def block_step(block, c: LayerCaches, h: torch.Tensor, s: StepInputs, counts: torch.Tensor) -> torch.Tensor:
-    """One transformer block for one token per row: h (B, 1, d) -> (B, 1, d), the caches appended."""
-    h = h + step_layer(block.attention, c, block.attention_norm(h), s, counts)
-    return h + block.feed_forward(block.ffn_norm(h))
-
-
-_compiled_block_step = None
-
-
-def compiled_block_step():
-    """`block_step` through torch.compile (one graph per attention kind, shared by the layers of that kind: the
-    parameters are its inputs), so a step's elementwise work is fused into few kernels."""
-    global _compiled_block_step
-    if _compiled_block_step is None:
-        _compiled_block_step = torch.compile(block_step, fullgraph=True)
-    return _compiled_block_step
+def compiled_block_forward():
+    """`block_forward` through torch.compile for the decoding steps (one graph per attention kind, shared by the
+    layers of that kind: the parameters are its inputs), so a step's elementwise work is fused into few kernels."""
+    global _compiled_block_forward
+    if _compiled_block_forward is None:
+        _compiled_block_forward = torch.compile(block_forward, fullgraph=True)
+    return _compiled_block_forward
 
 
 class Decoder:
@@ -191,21 +90,20 @@ class Decoder:
         self.autocast = (torch.get_autocast_dtype(self.device.type)
                          if torch.is_autocast_enabled(self.device.type) else None)
         self.batch = 0
-        self.caches: list[LayerCaches] = []
+        self.caches: list[LayerCache] = []
         self.graph = None
         self.steps_run = 0  # steps since the prefill (host count: the capacity check needs no device value)
         self.prompt_max = 0
         self.stats = DecodeStats()
-        self.block_step = compiled_block_step() if self.device.type == "cuda" else block_step
+        self.block_forward = compiled_block_forward() if self.device.type == "cuda" else block_forward
 
     @property
     def cache_bytes(self) -> int:
-        return sum(c.nbytes for lc in self.caches for c in (lc.dense, lc.ring) if c is not None)
+        return sum(c.nbytes for c in self.caches)
 
     def _allocate(self, batch: int) -> None:
         dtype = self.autocast or self.model.tok_embeddings.weight.dtype
-        need = batch * sum(_layer_cache_bytes(b.attention, b.attention_kind, self.capacity, dtype)
-                           for b in self.blocks)
+        need = batch * sum(b.attention.cache_row_bytes(self.capacity, dtype) for b in self.blocks)
         free = _free_bytes(self.device)
         if free is not None and need > 0.9 * (free + self.cache_bytes):
             where = "GPU memory" if self.device.type == "cuda" else "memory"
@@ -216,8 +114,7 @@ class Decoder:
         self.graph = None
         cfg = self.model.cfg
         self.cos, self.sin = rope_cos_sin(self.capacity, cfg.head_dim, cfg.rope_theta, self.device)  # (S, D/2)
-        self.caches = [new_caches(b.attention, b.attention_kind, batch, self.capacity, dtype, self.device)
-                       for b in self.blocks]
+        self.caches = [b.attention.new_cache(batch, self.capacity, dtype, self.device) for b in self.blocks]
         self.batch = batch
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -225,7 +122,8 @@ class Decoder:
         weight = self.model.output.weight  # logits in at least fp32, as the training forward's
         self.logits = torch.zeros(batch, weight.shape[0], device=self.device,
                                   dtype=torch.promote_types(weight.dtype, torch.float32))
-        self.counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # rows, selected, skipped
+        counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # rows, selected, skipped
+        self.decode_step = DecodeStep(self.pos, self.active, counts)
 
     def _autocast(self):
         if self.autocast is None:
@@ -264,18 +162,17 @@ class Decoder:
         seqs = PackedSeqs.build(B, T, self.device, None, valid)
         cos, sin = self.cos[:T], self.sin[:T]
         h = self.model.tok_embeddings(tokens)  # (B, T, d)
-        for block, c in zip(self.blocks, self.caches):  # the model's own blocks: the training kernels
-            prefill_layer(block.attention, c, rows, block.attention_norm(h), cos, sin, lengths)
-            h = block(h, cos, sin, seqs)[0]
+        for block, c in zip(self.blocks, self.caches):  # the training kernels; the forward writes the caches
+            h = block_forward(block, h, cos, sin, seqs, c.at(rows, lengths))
         return h[torch.arange(B, device=self.device), lens - 1]  # (B, d)
 
     def _step(self) -> None:
         """One token per row from the static buffers: caches appended, logits written, positions advanced."""
-        s = StepInputs(self.pos, self.cos[self.pos], self.sin[self.pos], self.active)
+        cos, sin = self.cos[self.pos], self.sin[self.pos]  # (B, D/2): each row's new position
         with self._autocast():
             h = self.model.tok_embeddings(self.tokens[:, None])  # (B, 1, d)
             for block, c in zip(self.blocks, self.caches):
-                h = self.block_step(block, c, h, s, self.counts)
+                h = self.block_forward(block, h, cos, sin, self.decode_step, c)
             self.logits.copy_(self.model.output(self.model.norm(h[:, 0])))
         self.pos += self.active
 
@@ -317,7 +214,7 @@ class Decoder:
 
     def read_stats(self) -> DecodeStats:
         """The routing counts so far (one host read)."""
-        rows, selected, skipped = (int(x) for x in self.counts.tolist())
+        rows, selected, skipped = (int(x) for x in self.decode_step.counts.tolist())
         self.stats.rows, self.stats.selected, self.stats.skipped = rows, selected, skipped
         return self.stats
 
@@ -332,15 +229,6 @@ def _free_bytes(device: torch.device) -> Optional[int]:
         return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
-
-
-def _layer_cache_bytes(attn, kind: str, capacity: int, dtype) -> int:
-    """Bytes of one row's caches of a layer (keys and values)."""
-    H, D = attn.n_heads, attn.head_dim
-    g = H if kind == "logo" else _n_global_heads(attn, kind)
-    ring = H - _n_global_heads(attn, kind) if kind != "logo" else H
-    slots = min(attn.attn_cfg.window, capacity)
-    return 2 * D * (g * capacity + ring * slots) * torch.empty(0, dtype=dtype).element_size()
 
 
 # --- generation ------------------------------------------------------------------------------------------------

@@ -13,21 +13,18 @@ one line for the start-up report.
 Modules call the attention ops through an `AttentionOps` object they own (`attention_ops`): the plain one runs
 the functions below; a parallelism plan installs its own subclass on the modules (context parallelism,
 `logo/parallel/cp.py`, adds its communication around the same kernels). `AttentionOps.logo_branches` is the LoGo
-layer's two branches: one op pair (`logo.kernels.branches`) where the fused RoPE + transform kernel applies, the
-PyTorch composition of the separate ops everywhere else (the reference backend, the non-LP transforms, head dims
-the kernels do not take, tensor-parallel DTensor transforms, context parallelism).
+layer's two branches as one op pair (`logo.kernels.branches`), used where `fuses_branches` says the fused RoPE +
+transform kernel applies; everywhere else (the reference backend, the non-LP transforms, head dims the kernels do
+not take, tensor-parallel DTensor transforms, context parallelism) the layer composes the separate ops itself.
 """
 from __future__ import annotations
 
 import math
 from typing import Optional
-from collections.abc import Callable
 
 import torch
 
 from logo.kernels import branches, flash, ops
-from logo.kernels.rope import apply_rope
-from logo.kernels.recompute import recompute_all_but_attention
 
 try:  # Triton missing or broken: the reference still works
     from logo.kernels import triton as _triton_ops  # noqa: F401
@@ -105,7 +102,7 @@ def causal_attention(q, k, v, cu_seqlens, scale: Optional[float] = None, backend
 def fuses_rope_transform(x, A, backend: str = "auto") -> bool:
     """Whether `rope_transform` runs the fused Triton kernel for x (N, H, D) and A: the Triton backend, a plain
     tensor A (a DTensor under tensor parallelism is not), and a head dim the kernel's dots take on a GPU
-    (32..256; 16 under the CPU interpreter). `AttentionOps.logo_branches` composes the separate ops otherwise."""
+    (32..256; 16 under the CPU interpreter)."""
     return _use_triton(x, backend) and _plain(A) and _kernel_head_dim(x.shape[-1], 32 if x.is_cuda else 16)
 
 
@@ -173,44 +170,25 @@ class AttentionOps:
         return causal_attention(q, k, v, cu_seqlens, scale, backend, seqlen)
 
     def fuses_branches(self, q, A: Optional[torch.Tensor], backend: str) -> bool:
-        """Whether `logo_branches` runs as one op pair: LP transforms A where the fused RoPE + transform runs."""
+        """Whether `logo_branches` runs (the op pair): LP transforms A where the fused RoPE + transform runs."""
         return A is not None and fuses_rope_transform(q, A, backend)
+
+    def fuses_rope_transform(self, q, A: torch.Tensor, backend: str) -> bool:
+        """Whether the separate ops' branch inputs come from the fused RoPE + transform kernel (`rope_transform`)."""
+        return fuses_rope_transform(q, A, backend)
 
     def recomputes_branch_inputs(self) -> bool:
         """Whether the backward recomputes the branch inputs (rotated local q, k; transformed, rotated global q, k,
-        v) from q, k, v instead of keeping them: in a compiled training graph, unless the block is recomputed."""
+        v) from q, k, v instead of keeping them: in a compiled training graph, unless the block is recomputed.
+        The layer then runs its separate ops under `logo.kernels.recompute.recompute_all_but_attention`."""
         return torch.is_grad_enabled() and torch.compiler.is_compiling() and not self.block_recomputed
 
-    def logo_branches(self, q, k, v, cos, sin, batch: int, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window: int,
-                      backend: str = "auto", A: Optional[torch.Tensor] = None,
-                      global_qkv: Optional[Callable] = None):
-        """The LoGo layer's two branches from its pre-RoPE q, k, v (N, H, D) (B = `batch` rows of T tokens;
-        cos/sin (T, D/2)): o_local = SWA_window(RoPE(q), RoPE(k), v) over every row, and o_global = the
-        query-sparse attention of the global branch's rotated query at the selected rows (rows, cu_seqlens_q,
-        q_pos: `logo.kernels.reference`'s contract) over its rotated keys and values, zero elsewhere; (N, H, D)
-        each. The global branch's pre-RoPE q, k, v are `global_qkv(q, k, v)`, or q A_0, k A_1, v A_2 for LP
-        transforms A (3, H, D, D) (then `global_qkv` must compute the same).
-
-        One op pair (`logo.kernels.branches`) where `fuses_branches`; otherwise the separate ops composed in
-        PyTorch, whose intermediates are recomputed in the backward where `recomputes_branch_inputs`."""
-        if self.fuses_branches(q, A, backend):
-            return branches.logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window,
-                                          not self.recomputes_branch_inputs(), impl=attention_impl(q, backend))
-        args = (q, k, v, cos, sin, batch, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window, backend, A, global_qkv)
-        if self.recomputes_branch_inputs():
-            return recompute_all_but_attention(self._composed_branches, *args)
-        return self._composed_branches(*args)
-
-    def _composed_branches(self, q, k, v, cos, sin, batch, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window, backend,
-                           A, global_qkv):
-        """`logo_branches` as separate ops: the branch inputs (the fused RoPE + transform kernel where it runs),
-        then this object's sliding-window and query-sparse attention."""
-        if A is not None and fuses_rope_transform(q, A, backend):
-            q, k, qg, kg, vg = rope_transform(q, k, v, A, cos, sin, backend)  # (N, H, D) each
-        else:
-            qg, kg, vg = global_qkv(q, k, v)
-            q, k = apply_rope(q, cos, sin, batch), apply_rope(k, cos, sin, batch)
-            qg, kg = apply_rope(qg, cos, sin, batch), apply_rope(kg, cos, sin, batch)
-        o_local = self.sliding_window_attention(q, k, v, cu_seqlens_k, window, None, backend)  # every row
-        o_global = self.query_sparse_attention(qg, kg, vg, q_pos, rows, cu_seqlens_q, cu_seqlens_k, None, backend)
-        return o_local, o_global
+    def logo_branches(self, q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window: int,
+                      backend: str = "auto"):
+        """The LoGo layer's two branches as one op pair (`logo.kernels.branches.logo_branches`) from its pre-RoPE
+        q, k, v (N, H, D) and LP transforms A (3, H, D, D): o_local = SWA_window(RoPE(q), RoPE(k), v) over every
+        row, o_global = the query-sparse attention of RoPE(q A_0) at the selected rows (rows, cu_seqlens_q, q_pos:
+        `logo.kernels.reference`'s contract) over RoPE(k A_1), v A_2, zero elsewhere; (N, H, D) each. The rotated
+        inputs are kept for the backward unless `recomputes_branch_inputs`."""
+        return branches.logo_branches(q, k, v, A, cos, sin, q_pos, rows, cu_seqlens_q, cu_seqlens_k, window,
+                                      not self.recomputes_branch_inputs(), impl=attention_impl(q, backend))

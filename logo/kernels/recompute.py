@@ -5,8 +5,8 @@ and RoPE), yet autograd would keep every one of their outputs for the backward: 
 global q, k, v, five (N, H, D) tensors per layer. Under `recompute_all_but_attention` the backward recomputes
 them from q, k, v (kept anyway) and keeps only what the attention ops return. Same values and gradients
 (the recomputation repeats the forward's arithmetic, the fused RoPE + transform op included); in eager mode
-and under `torch.compile` (which reads the same policy). `logo.kernels.dispatch.AttentionOps.logo_branches`
-applies it to its PyTorch composition of the branches while torch.compile traces.
+and under `torch.compile` (which reads the same policy). The LoGo layer applies it to its composition of the
+separate ops where `logo.kernels.dispatch.AttentionOps.recomputes_branch_inputs` (while torch.compile traces).
 """
 from __future__ import annotations
 

@@ -321,15 +321,22 @@ def _head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return (xf * w.to(xf.dtype)).to(x.dtype)
 
 
+def gated_fusion(n_local, n_global, p, z, weighted: bool):
+    """The LoGo fusion rule (paper Eq. 10) of the normalised branch outputs n_local, n_global (N, H, D), p (N,)
+    float, z (N,) bool -> (N, H, D) in n_local's dtype: n_local at unselected rows; at selected rows
+    (1 - p) n_local + p n_global (weighted) or n_local + p n_global (additive), summed in at least fp32 and rounded
+    once. The layer's (`logo.model.logo_attention.LoGoAttention.fuse`) and the fused kernel's reference."""
+    cdt = _cdt(n_local)
+    p_ = p[:, None, None].to(cdt)  # (N, 1, 1): the gate's only path into the output, through selected rows
+    fused = ((1.0 - p_) * n_local.to(cdt) if weighted else n_local.to(cdt)) + p_ * n_global.to(cdt)
+    return torch.where(z[:, None, None], fused.to(n_local.dtype), n_local)
+
+
 def context_fuse_forward(o_local, o_global, p, z, w_local, w_global, eps: float, weighted: bool):
-    """o (N, H, D) in o_local's dtype: Norm^L(O^L) at unselected rows; at selected rows (z)
-    (1 - p) Norm^L(O^L) + p Norm^G(O^G) (weighted) or Norm^L(O^L) + p Norm^G(O^G) (additive), summed in at least
-    fp32 and rounded once. o_local, o_global (N, H, D); p (N,) float; z (N,) bool; w_* (H, D); eps of both norms."""
-    n_l, n_g = _head_rms_norm(o_local, w_local, eps), _head_rms_norm(o_global, w_global, eps)
-    cdt = _cdt(o_local)
-    p_ = p[:, None, None].to(cdt)  # (N, 1, 1)
-    fused = ((1.0 - p_) * n_l.to(cdt) if weighted else n_l.to(cdt)) + p_ * n_g.to(cdt)
-    return torch.where(z[:, None, None], fused.to(o_local.dtype), n_l)
+    """Both ContextNorms (head-wise RMSNorm, weights w_* (H, D), eps) of o_local, o_global (N, H, D), then
+    `gated_fusion`: (N, H, D) in o_local's dtype."""
+    return gated_fusion(_head_rms_norm(o_local, w_local, eps), _head_rms_norm(o_global, w_global, eps), p, z,
+                        weighted)
 
 
 def _head_rms_norm_backward(gy, x, w, eps: float):

@@ -4,6 +4,11 @@ Every module maps x (B, T, d) -> (B, T, d) and returns (out, aux_loss, routing_s
 so the block treats all kinds the same. Attention math goes through the module's `attention_ops`
 (`logo.kernels.dispatch.AttentionOps`, which a parallelism plan may replace) only. Head counts are read from the
 projections' outputs, so a plan that splits the heads over ranks needs no change here.
+
+Decoding goes through the same forward (`forward(x, cos, sin, seqs, cache)`, `logo.model.kv_cache`): with a
+`CacheWrite` over a prompt batch it also writes the keys and values of every token; with a `DecodeStep` in place
+of `seqs` (x (B, 1, d), cos/sin (B, D/2) at each row's position) it appends the new token's and attends over the
+caches with the decode kernel.
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import torch.nn.functional as F
 
 from logo.config import AttentionConfig, ModelConfig
 from logo.kernels import dispatch
-from logo.kernels.rope import apply_rope
+from logo.kernels.rope import apply_rope, apply_rope_rows
+from logo.model.kv_cache import CacheWrite, DecodeStep, LayerCache
 from logo.model.layers import PackedSeqs, autocast_input
 
 
@@ -42,7 +48,9 @@ def local(ops: dispatch.AttentionOps, q, k, v, seqs: PackedSeqs, window: int, ba
 
 
 class QKVAttention(nn.Module):
-    """Shared projections W_q, W_k, W_v, W_o of a multi-head attention layer."""
+    """Shared projections W_q, W_k, W_v, W_o of a multi-head attention layer. A subclass gives `encode` (its
+    forward over packed sequences, writing a prefill's caches when given) and how many heads are global
+    (`global_heads`, which lays out the caches); the decoding step over the caches is shared (LoGo has its own)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -54,6 +62,14 @@ class QKVAttention(nn.Module):
         self.wk = nn.Linear(cfg.dim, inner, bias=False)
         self.wv = nn.Linear(cfg.dim, inner, bias=False)
         self.wo = nn.Linear(inner, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, seqs, cache=None):
+        """x (B, T, d) over packed sequences `seqs` (cos/sin (T, D/2); cache: a `CacheWrite` to fill, or None), or
+        one token per row x (B, 1, d) for a `DecodeStep` `seqs` (cos/sin (B, D/2); cache: the `LayerCache`)
+        -> out (B, T, d), aux_loss scalar or None, routing stats (K,) or None."""
+        if isinstance(seqs, DecodeStep):
+            return self.decode(x, cos, sin, seqs, cache), None, None
+        return self.encode(x, cos, sin, seqs, cache)
 
     def project(self, x):
         """x (B, T, d) -> pre-RoPE q, k, v (B, T, H, D), H the heads the projections hold. Under autocast x is cast
@@ -67,19 +83,62 @@ class QKVAttention(nn.Module):
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.wo.weight, std=out_std)
 
+    def global_heads(self) -> int:
+        """How many of the first heads attend the whole causal context (the others: the sliding window)."""
+        return self.n_heads
+
+    def cache_heads(self) -> tuple[int, int]:
+        """Heads of the (dense, ring) decoding caches."""
+        g = self.global_heads()
+        return g, self.n_heads - g
+
+    def new_cache(self, batch: int, capacity: int, dtype, device) -> LayerCache:
+        """Empty decoding caches for `batch` rows of up to `capacity` positions."""
+        return LayerCache.new(self.cache_heads(), batch, capacity, self.attn_cfg.window, self.head_dim, dtype, device)
+
+    def cache_row_bytes(self, capacity: int, dtype) -> int:
+        """Bytes of one row's decoding caches."""
+        return LayerCache.row_bytes(self.cache_heads(), capacity, self.attn_cfg.window, self.head_dim, dtype)
+
+    def rotated_qkv(self, x, cos, sin, cache: CacheWrite | None):
+        """x (B, T, d) -> RoPE(q), RoPE(k), v (B, T, H, D); with a prefill's `cache`, the keys and values are
+        written too: the global heads' into the dense cache, the others' into the ring."""
+        q, k, v = self.project(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            g = self.global_heads()
+            cache.write((k[:, :, :g], v[:, :, :g]), (k[:, :, g:], v[:, :, g:]))
+        return q, k, v
+
+    def decode(self, x, cos, sin, step: DecodeStep, cache: LayerCache) -> torch.Tensor:
+        """One token per row: x (B, 1, d), cos/sin (B, D/2) -> (B, 1, d); the global heads over the dense cache,
+        the others over the ring."""
+        q, k, v = (t[:, 0] for t in self.project(x))  # (B, H, D) pre-RoPE
+        qr, kr = apply_rope_rows(q, cos, sin), apply_rope_rows(k, cos, sin)
+        g, backend = self.global_heads(), self.attn_cfg.backend
+        parts = []
+        if cache.dense is not None:
+            parts.append(cache.dense.attend(qr[:, :g], kr[:, :g], v[:, :g], step.pos, step.active, backend))
+        if cache.ring is not None:
+            parts.append(cache.ring.attend(qr[:, g:], kr[:, g:], v[:, g:], step.pos, step.active, backend))
+        o = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # (B, H, D)
+        return self.wo(o.flatten(1))[:, None]
+
 
 class FullAttention(QKVAttention):
-    def forward(self, x, cos, sin, seqs: PackedSeqs):
-        q, k, v = self.project(x)
-        o = causal(self.attention_ops, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, seqs, self.attn_cfg.backend)
+    def encode(self, x, cos, sin, seqs: PackedSeqs, cache: CacheWrite | None = None):
+        q, k, v = self.rotated_qkv(x, cos, sin, cache)
+        o = causal(self.attention_ops, q, k, v, seqs, self.attn_cfg.backend)
         return self.wo(o.flatten(2)), None, None
 
 
 class LocalAttention(QKVAttention):
-    def forward(self, x, cos, sin, seqs: PackedSeqs):
-        q, k, v = self.project(x)
-        o = local(self.attention_ops, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, seqs,
-                  self.attn_cfg.window, self.attn_cfg.backend)
+    def global_heads(self) -> int:
+        return 0
+
+    def encode(self, x, cos, sin, seqs: PackedSeqs, cache: CacheWrite | None = None):
+        q, k, v = self.rotated_qkv(x, cos, sin, cache)
+        o = local(self.attention_ops, q, k, v, seqs, self.attn_cfg.window, self.attn_cfg.backend)
         return self.wo(o.flatten(2)), None, None
 
 
@@ -91,9 +150,11 @@ class IntraLayerHybridAttention(QKVAttention):
         super().__init__(cfg)
         self.n_global = cfg.attention.num_global_heads(cfg.n_heads)
 
-    def forward(self, x, cos, sin, seqs: PackedSeqs):
-        q, k, v = self.project(x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def global_heads(self) -> int:
+        return self.n_global
+
+    def encode(self, x, cos, sin, seqs: PackedSeqs, cache: CacheWrite | None = None):
+        q, k, v = self.rotated_qkv(x, cos, sin, cache)
         g, ops, a = self.n_global, self.attention_ops, self.attn_cfg
         parts = []
         if g > 0:

@@ -33,6 +33,8 @@ from typing import Optional
 from collections.abc import Callable
 
 import torch
+
+from logo.kernels.gate import bin_counts
 from logo.model.flops import realized_global_fraction
 
 # Columns of the per-layer routing stats (logo.model.routing.routing_stats); the quantile controller's
@@ -46,26 +48,12 @@ U_MAX = math.asinh(LOGIT_MAX / LOGIT_SCALE)
 
 
 def gate_histogram(p: torch.Tensor, valid: torch.Tensor, bins: int) -> torch.Tensor:
-    """(bins,) fp32 counts of the gate logits of p (N,) over the tokens where valid (N,) (bool or 0/1) is set.
-    Eager: `torch.histc` over the bin centres (one shared-memory histogram per block on CUDA; a scatter-add into
-    the bins serialised on the few bins a fresh gate occupies). Under torch.compile:
-    `one_hot_counts`, which Inductor generates as one reduction kernel fused with the bin computation (histc is
-    an extern call between the graph's kernels, and the host issues each such call)."""
+    """(bins,) fp32 counts of the gate logits of p (N,) over the tokens where valid (N,) (bool or 0/1) is set
+    (`logo.kernels.gate.bin_counts`)."""
     u = torch.asinh(torch.logit(p.float()).clamp(-LOGIT_MAX, LOGIT_MAX) / LOGIT_SCALE)
     u = torch.nan_to_num(u, nan=0.0)  # a diverged step (skipped anyway) must not index out of range
     idx = ((u + U_MAX) * (bins / (2 * U_MAX))).floor().clamp(0, bins - 1)  # (N,) bin index, as a float
-    if torch.compiler.is_compiling():
-        return one_hot_counts(idx, valid, bins)
-    centre = torch.where(valid.bool(), idx + 0.5, -1.0)  # invalid tokens fall outside [0, bins]: not counted
-    return torch.histc(centre, bins=bins, min=0, max=bins)
-
-
-def one_hot_counts(idx: torch.Tensor, valid: torch.Tensor, bins: int) -> torch.Tensor:
-    """(bins,) fp32: how many valid tokens have each bin index, idx (N,) integral floats in [0, bins), valid (N,).
-    The same counts as histc (sums of ones, exact in fp32 below 2^24 tokens); written as a (N, bins) comparison
-    summed over the tokens, which a compiled graph never materialises."""
-    hit = (idx[:, None] == torch.arange(bins, device=idx.device, dtype=idx.dtype)[None, :]) & valid.bool()[:, None]
-    return hit.sum(0, dtype=torch.float32)
+    return bin_counts(idx, valid, bins)
 
 
 def histogram_quantile(hist: torch.Tensor, level: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> None:
 
 @dataclass
 class PackedSeqs:
-    """Document layout of a (B, T) batch flattened to N = B*T rows.
+    """Document layout of a (B, T) batch flattened to N = B*T rows. Built on the host side of the forward, before
+    the compiled blocks (`build` reads offsets given on the CPU to check them).
 
     cu_seqlens (S+1,) int32 offsets; seq_id (N,) int64 sequence of each row; pos (N,) int32 position inside
     its sequence; valid (N,) bool (False for padding).
@@ -105,7 +106,7 @@ class PackedSeqs:
         n = batch * seqlen
         rows = torch.arange(0, n + 1, seqlen, device=device, dtype=torch.int32)
         has_docs = cu_seqlens is not None and cu_seqlens.shape[0] != rows.shape[0]
-        if cu_seqlens is not None and cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        if cu_seqlens is not None and cu_seqlens.device.type == "cpu":
             # Offsets already on an accelerator are not read here: that would synchronise every forward with the
             # device. The trainer checks each micro-batch's offsets on the host before its copy (logo.train.step).
             check_cu_seqlens(cu_seqlens, batch, seqlen)

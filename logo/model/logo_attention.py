@@ -1,22 +1,30 @@
-"""The LoGo attention layer (paper Sec. 3.2, Eq. 4-10).
+"""The LoGo attention layer (paper Sec. 3.2, Eq. 4-10), training, prefill and decoding alike.
 
-    q, k, v   = x W_q, x W_k, x W_v                         local branch, all tokens
-    u^G_h     = phi_{U,h}(u^L_h)  for u in {q, k, v}          global branch (pre-RoPE transform)
-    p_t       = sigmoid(x_t . w_g) ; z_t = [p_t > b]          one decision per token, shared by all heads
-    O^L       = SWA_w(q, k, v)                                every token
-    O^G_I     = Attn_inf(q^G_I, k^G, v^G)                     selected rows I only (query-sparse)
-    o_t       = (1 - p_t) Norm^L(O^L_t) + p_t Norm^G(O^G_t)   if z_t  (weighted fusion)
-              = Norm^L(O^L_t)                                 otherwise
-    out       = o W_o
+    Eq. 4   q, k, v   = x W_q, x W_k, x W_v                  local branch, all tokens (`project`)
+    Eq. 5   u^G_h     = phi_{U,h}(u^L_h)  for u in {q, k, v}   global branch, pre-RoPE (`BranchTransform`,
+                                                              `global_branch_qkv`)
+    Eq. 6   O^L       = SWA_w(q, k, v)                         every token (`branch_outputs`)
+    Eq. 7   p_t       = sigmoid(x_t . w_g) ; z_t = [p_t > b]   one decision per token, shared by all heads (`Gate`,
+                                                              `route`)
+    Eq. 8   O^G_I     = Attn_inf(q^G_I, k^G, v^G)              selected rows I only, query-sparse (`branch_outputs`)
+    Eq. 9   Norm^L, Norm^G                                     head-wise RMSNorm of each branch (ContextNorm)
+    Eq. 10  o_t       = (1 - p_t) Norm^L(O^L_t) + p_t Norm^G(O^G_t)   if z_t  (weighted fusion, `fuse`)
+                      = Norm^L(O^L_t)                                 otherwise
+            out       = o W_o
 
 Ablation variants (AttentionConfig): transform lp | so | shared | full; context_norm off -> Norm = identity;
 fusion 'additive': o_t = Norm^L(O^L_t) + p_t Norm^G(O^G_t) for selected tokens (CoLT5-style: the local
 output is kept whole and the gate only scales the global addition); budget_control 'aux_loss': see
 `aux_loss` below.
+
+One forward serves every use (`logo.model.attention.QKVAttention.forward`): `encode` over packed sequences
+(training; with a `CacheWrite`, the prefill, which also stores the rotated local keys in the ring cache and the
+rotated global keys in the dense one) and `decode` for one token per row over those caches (the same gate,
+transforms and fusion; the global branch is the decode kernel with z as its active rows, so unselected rows
+cost no work). Static shapes and no host synchronisation in both.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional
 
 import torch
@@ -24,14 +32,18 @@ import torch.nn as nn
 
 from logo.config import ModelConfig
 from logo.kernels import dispatch
+from logo.kernels.gate import gate_logit
+from logo.kernels.recompute import recompute_all_but_attention
+from logo.kernels.reference import gated_fusion
+from logo.kernels.rope import apply_rope, apply_rope_rows, upcast
 from logo.model.attention import QKVAttention
-from logo.kernels.rope import upcast
+from logo.model.kv_cache import CacheWrite, DecodeStep, LayerCache
 from logo.model.layers import PackedSeqs, RMSNorm, autocast_input
-from logo.model.routing import partition, route, routing_stats, soft_ratio
+from logo.model.routing import Selection, partition, routing_stats, soft_ratio
 
 
 class BranchTransform(nn.Module):
-    """phi_{U,h}: per-head map from local-branch to global-branch q/k/v (pre-RoPE). Starts as identity.
+    """phi_{U,h} (Eq. 5): per-head map from local-branch to global-branch q/k/v (pre-RoPE). Starts as identity.
 
     lp: u_h A_{U,h} with A (H, D, D); so: u_h * s_{U,h} + b_{U,h}; shared: identity (no parameters).
     ('full' separate projections live in LoGoAttention since they read x, not u.)
@@ -65,7 +77,7 @@ class BranchTransform(nn.Module):
 
 
 class Gate(nn.Module):
-    """p_t = sigmoid(x_t . w_g): one routing probability per token, read from the full hidden state."""
+    """p_t = sigmoid(x_t . w_g) (Eq. 7): one routing probability per token, read from the full hidden state."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -74,38 +86,17 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, x_low: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, T, d) -> (N,) in at least fp32. The logit is an fp32 product even under autocast: in bf16 it
         has 8 bits of mantissa, so many gates would tie at the threshold and decisions would hang on rounding.
-        x_low: the same activation in the precision the projections keep (their autocast copy, or x itself). When
-        given and narrower than fp32, the weight's gradient is taken from it, so no fp32 copy of x is kept."""
+        x_low: the same activation in the precision the projections keep (their autocast copy, or x itself), which
+        the product's weight gradient may read instead of an fp32 copy of x (`logo.kernels.gate.gate_logit`)."""
         xf = upcast(x.flatten(0, 1))  # (N, d)
         with torch.autocast(xf.device.type, enabled=False):
-            w = self.weight.to(xf.dtype)
-            plain = x_low is None or x_low.dtype == xf.dtype
-            # x_low takes no gradient here (x's flows through xf): detached, it adds no edge to the autograd graph
-            logit = xf @ w if plain else _LogitKeepingNarrowInput.apply(xf, x_low.detach(), w)
-            return torch.sigmoid(logit)
+            return torch.sigmoid(gate_logit(xf, x_low, self.weight.to(xf.dtype)))
 
 
-class _LogitKeepingNarrowInput(torch.autograd.Function):
-    """x @ w in x's precision, keeping a narrower copy of x (the projections' own) for w's gradient.
-
-    forward: x (N, d) fp32, x_low (..., d) bf16/fp16 (the same values, rounded), w (d,) fp32 -> (N,) fp32.
-    backward: dx = g w^T exactly; dw = x_low^T g in fp32 (x's rounding enters dw only, as it does for W_q, W_k,
-    W_v, whose gradients read the same copy)."""
-
-    @staticmethod
-    def forward(ctx, x, x_low, w):
-        ctx.save_for_backward(x_low, w)
-        return x @ w
-
-    @staticmethod
-    def backward(ctx, g):  # g (N,) fp32
-        x_low, w = ctx.saved_tensors
-        # fp32 products: a compiled graph traces this backward under the forward's caller's autocast
-        with torch.autocast(g.device.type, enabled=False):
-            dx = g[:, None] * w[None, :] if ctx.needs_input_grad[0] else None  # (N, d)
-            # (d,) fp32; as a matrix-vector product, which Inductor folds into the block's other row reductions
-            dw = torch.mv(x_low.flatten(0, -2).t().to(g.dtype), g) if ctx.needs_input_grad[2] else None
-        return dx, None, dw
+def route(p: torch.Tensor, threshold: torch.Tensor, seqs) -> torch.Tensor:
+    """z_t = [p_t > b] (Eq. 7) for the rows that may be routed (`seqs.valid`: not padding; while decoding, the
+    rows still generating). p (N,) fp32, threshold (1,) fp32 -> (N,) bool."""
+    return (p > threshold) & seqs.valid
 
 
 class LoGoAttention(QKVAttention):
@@ -142,65 +133,88 @@ class LoGoAttention(QKVAttention):
                 norm.reset_parameters()
         self.threshold.fill_(0.5 if a.threshold_init is None else a.threshold_init)
 
-    def forward(self, x, cos, sin, seqs: PackedSeqs):
+    def encode(self, x, cos, sin, seqs: PackedSeqs, cache: Optional[CacheWrite] = None):
         """x (B, T, d) -> out (B, T, d), aux_loss scalar or None, routing stats (K,) (logo.model.controller)."""
         a, B, T = self.attn_cfg, x.shape[0], x.shape[1]
         x_low = autocast_input(x)  # (B, T, d): the one copy of x the backward keeps (projections and gate)
         q, k, v = self.project(x_low)  # (B, T, H, D) pre-RoPE
-        # Compiled, the gate's plain fp32 product lets Inductor fuse w_g's gradient into the block's row reductions.
-        o, p, z = self.branches(x, None if torch.compiler.is_compiling() else x_low, q, k, v, cos, sin, seqs)
+        if cache is not None:
+            self.write_prompt_cache(cache, x_low, k, v, cos, sin)
+        o, p, z = self.branches(x, x_low, q, k, v, cos, sin, seqs)
         out = self.wo(o.view(B, T, -1))  # (B, T, d)
         aux = self.aux_loss(p, seqs) if a.budget_control == "aux_loss" else None
         return out, aux, routing_stats(z, p, seqs.valid, self.threshold, a)
 
     def branches(self, x, x_low, q, k, v, cos, sin, seqs: PackedSeqs):
-        """Everything between the shared projections and W_o: x (B, T, d) (x_low: the gate's, see `Gate.forward`),
-        pre-RoPE q, k, v (B, T, H, D) -> o (N, H, D), p (N,), z (N,) bool. Static shapes, no host synchronisation."""
-        a, B = self.attn_cfg, x.shape[0]
-        # Gate and routing: p_t = sigmoid(x_t . w_g), z_t = [p_t > b], the selected rows first.
+        """Everything between the shared projections and W_o: x (B, T, d) and its autocast copy x_low (the gate's
+        and the `full` variant's global projections' input), pre-RoPE q, k, v (B, T, H, D) -> o (N, H, D),
+        p (N,), z (N,) bool. Static shapes, no host synchronisation."""
         p = self.gate_probs(x, x_low)  # (N,) fp32, N = B*T
         z = route(p, self.threshold, seqs)  # (N,) bool
-        sel = partition(z, seqs)
-
-        # Both branches: local SWA over every row from RoPE(q), RoPE(k), v; global query-sparse attention of the
-        # selected rows from RoPE(phi_Q(q)), RoPE(phi_K(k)), phi_V(v). (N, H, D) each; o_global zero elsewhere.
-        x_rows = (x if x_low is None else x_low).flatten(0, 1)  # (N, d): what the `full` variant's projections read
-        A = self.transform.A if a.transform == "lp" else None
-        o_local, o_global = self.attention_ops.logo_branches(
-            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cos, sin, B, seqs.pos, sel.rows, sel.cu_seqlens_q,
-            seqs.cu_seqlens, self.window, a.backend, A=A, global_qkv=partial(self.global_branch_qkv, x_rows))
-
-        # ContextNorm of each branch and the fusion (weighted or additive) at the selected rows: (N, H, D).
+        sel = partition(z, seqs)  # the selected rows first
+        o_local, o_global = self.branch_outputs(x_low.flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1),
+                                                v.flatten(0, 1), cos, sin, seqs, sel)
         return self.fuse(o_local, o_global, p, z), p, z
 
-    def global_branch_qkv(self, x, q, k, v):
-        """The global branch's pre-RoPE q, k, v (N, H, D) of every row, from the rows' inputs x (N, d) or their
-        local-branch q, k, v (N, H, D). Every row's query is transformed (static shapes); the op reads the selected
-        ones."""
+    def branch_outputs(self, x, q, k, v, cos, sin, seqs: PackedSeqs, sel: Selection):
+        """Both branches (Eq. 5, 6, 8) of the rows' inputs x (N, d) and pre-RoPE q, k, v (N, H, D): o_local =
+        SWA_w(RoPE(q), RoPE(k), v) over every row, o_global = the query-sparse attention of the selected rows'
+        RoPE(phi_Q(q)) over RoPE(phi_K(k)), phi_V(v); (N, H, D) each, o_global zero at unselected rows.
+
+        One op pair (`logo.kernels.branches`) where the attention ops fuse the LP branches; otherwise the separate
+        ops (`attend_branches`), whose branch inputs the backward recomputes where the ops say so (a compiled
+        step: `AttentionOps.recomputes_branch_inputs`)."""
+        ops, a = self.attention_ops, self.attn_cfg
+        A = self.transform.A if a.transform == "lp" else None
+        if ops.fuses_branches(q, A, a.backend):
+            return ops.logo_branches(q, k, v, A, cos, sin, seqs.pos, sel.rows, sel.cu_seqlens_q, seqs.cu_seqlens,
+                                     self.window, a.backend)
+        args = (x, q, k, v, cos, sin, seqs.batch, seqs.pos, sel.rows, sel.cu_seqlens_q, seqs.cu_seqlens)
+        if ops.recomputes_branch_inputs():
+            return recompute_all_but_attention(self.attend_branches, *args)
+        return self.attend_branches(*args)
+
+    def attend_branches(self, x, q, k, v, cos, sin, batch: int, q_pos, rows, cu_seqlens_q, cu_seqlens_k):
+        """`branch_outputs` as separate ops: the branch inputs (the fused RoPE + transform kernel where it runs,
+        else the transforms and RoPE in PyTorch), then the sliding-window and query-sparse attention."""
+        ops, a = self.attention_ops, self.attn_cfg
+        A = self.transform.A if a.transform == "lp" else None
+        if A is not None and ops.fuses_rope_transform(q, A, a.backend):
+            q, k, qg, kg, vg = dispatch.rope_transform(q, k, v, A, cos, sin, a.backend)  # (N, H, D) each
+        else:
+            qg, kg, vg = self.global_branch_qkv(x, q, k, v)
+            q, k = apply_rope(q, cos, sin, batch), apply_rope(k, cos, sin, batch)
+            qg, kg = apply_rope(qg, cos, sin, batch), apply_rope(kg, cos, sin, batch)
+        o_local = ops.sliding_window_attention(q, k, v, cu_seqlens_k, self.window, None, a.backend)  # every row
+        o_global = ops.query_sparse_attention(qg, kg, vg, q_pos, rows, cu_seqlens_q, cu_seqlens_k, None, a.backend)
+        return o_local, o_global
+
+    def global_input(self, i: int, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The global branch's pre-RoPE q (i=0), k (1) or v (2) (Eq. 5): phi_i(u) of the local one u (..., H, D),
+        or for the `full` variant its own projection of the rows' inputs x (..., d)."""
         if self.attn_cfg.transform == "full":
-            D = self.head_dim
-            return self.wq_g(x).unflatten(-1, (-1, D)), self.wk_g(x).unflatten(-1, (-1, D)), \
-                self.wv_g(x).unflatten(-1, (-1, D))
-        return self.transform(0, q), self.transform(1, k), self.transform(2, v)
+            return (self.wq_g, self.wk_g, self.wv_g)[i](x).unflatten(-1, (-1, self.head_dim))
+        return self.transform(i, u)
+
+    def global_branch_qkv(self, x, q, k, v):
+        """The global branch's pre-RoPE q, k, v (..., H, D) of every row (static shapes; the attention reads the
+        selected queries), from the rows' inputs x (..., d) and local q, k, v (..., H, D)."""
+        return self.global_input(0, x, q), self.global_input(1, x, k), self.global_input(2, x, v)
 
     def gate_probs(self, x: torch.Tensor, x_low: Optional[torch.Tensor] = None) -> torch.Tensor:
         """p_t = sigmoid(x_t . w_g): x (B, T, d) -> (N,) in at least fp32 (x_low: see `Gate.forward`)."""
         return self.gate(x, x_low)
 
     def fuse(self, o_local, o_global, p, z):
-        """Both ContextNorms and the fusion: o_local, o_global (N, H, D), p (N,), z (N,) -> o (N, H, D); unselected
-        rows are exactly Norm^L(O^L). One kernel each way where `dispatch.fuses_context_norm`
-        (`logo::context_fuse_fwd`); otherwise the same math as one elementwise expression."""
+        """Both ContextNorms and the fusion (Eq. 9-10): o_local, o_global (N, H, D), p (N,), z (N,) -> o (N, H, D);
+        unselected rows are exactly Norm^L(O^L). One kernel each way where `dispatch.fuses_context_norm`
+        (`logo::context_fuse_fwd`); otherwise the norms and `gated_fusion`, one elementwise expression."""
         a = self.attn_cfg
         if isinstance(self.norm_local, RMSNorm) and dispatch.fuses_context_norm(
                 o_local, (self.norm_local.weight, self.norm_global.weight), a.backend):
             return dispatch.context_fuse(o_local, o_global, p, z, self.norm_local.weight, self.norm_global.weight,
                                          self.norm_local.eps, a.fusion == "weighted", a.backend)
-        o_local = self.norm_local(o_local)
-        p_ = p[:, None, None]  # (N, 1, 1): the gate's only path into the output, through selected rows
-        o_l, o_g = upcast(o_local), upcast(self.norm_global(o_global))
-        fused = ((1.0 - p_) * o_l if a.fusion == "weighted" else o_l) + p_ * o_g
-        return torch.where(z[:, None, None], fused.to(o_local.dtype), o_local)
+        return gated_fusion(self.norm_local(o_local), self.norm_global(o_global), p, z, a.fusion == "weighted")
 
     def aux_loss(self, p, seqs: PackedSeqs) -> torch.Tensor:
         """Auxiliary-loss budget control (ablation): lambda * (F_soft - rho)^2, where
@@ -209,3 +223,33 @@ class LoGoAttention(QKVAttention):
         a = self.attn_cfg
         f_soft = soft_ratio(p, self.threshold, seqs.valid, a.aux_loss_temperature)
         return a.aux_loss_coef * (f_soft - self.rho) ** 2
+
+    # --- decoding ------------------------------------------------------------------------------------------------
+    def cache_heads(self) -> tuple[int, int]:
+        """Every head in both caches: the global branch's keys in the dense one, the local branch's in the ring."""
+        return self.n_heads, self.n_heads
+
+    def write_prompt_cache(self, cache: CacheWrite, x, k, v, cos, sin) -> None:
+        """The prompts' keys and values: RoPE(k), v into the ring, RoPE(phi_K(k)), phi_V(v) of every token into the
+        dense cache (later selected queries see them). x (B, T, d), pre-RoPE k, v (B, T, H, D)."""
+        kg, vg = self.global_input(1, x, k), self.global_input(2, x, v)
+        cache.write((apply_rope(kg, cos, sin), vg), (apply_rope(k, cos, sin), v))
+
+    def decode(self, x, cos, sin, step: DecodeStep, cache: LayerCache) -> torch.Tensor:
+        """One token per row: x (B, 1, d), cos/sin (B, D/2) -> (B, 1, d). The gate decides per row on the device;
+        the local branch reads the ring, the global branch the dense cache with z as its active rows (unselected
+        rows: no work, zeros), fused as in training."""
+        backend = self.attn_cfg.backend
+        x_low = autocast_input(x)
+        q, k, v = (t[:, 0] for t in self.project(x_low))  # (B, H, D) pre-RoPE
+        p = self.gate_probs(x, x_low)  # (B,)
+        z = route(p, self.threshold, step)  # (B,) bool, on the device
+        qg, kg, vg = self.global_branch_qkv(x_low[:, 0], q, k, v)  # (B, H, D) pre-RoPE, every row
+
+        def rope(u):
+            return apply_rope_rows(u, cos, sin)
+
+        o_local = cache.ring.attend(rope(q), rope(k), v, step.pos, step.active, backend)
+        o_global = cache.dense.attend(rope(qg), rope(kg), vg, step.pos, z, backend)
+        step.count(z)
+        return self.wo(self.fuse(o_local, o_global, p, z).flatten(1))[:, None]

@@ -1,4 +1,5 @@
-"""Token routing for LoGo: gate -> hard decision -> partition of the rows, selected first (paper Eq. 7-8).
+"""The LoGo layer's routing mechanics: the decisions z (`logo.model.logo_attention.route`, paper Eq. 7) as a
+partition of the rows, selected first (the query-sparse global branch's input, Eq. 8), and the routing statistics.
 
 Static shapes, no host synchronisation: the partition is a permutation of all N rows and the selected count
 lives in device memory (the last entry of cu_seqlens_q), which the attention kernels read themselves.
@@ -25,11 +26,6 @@ class Selection:
 
     rows: torch.Tensor
     cu_seqlens_q: torch.Tensor
-
-
-def route(p: torch.Tensor, threshold: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
-    """z_t = [p_t > b] for valid tokens. p (N,) fp32, threshold (1,) fp32 -> (N,) bool."""
-    return (p > threshold) & seqs.valid
 
 
 def partition(z: torch.Tensor, seqs: PackedSeqs) -> Selection:

@@ -40,8 +40,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x, cos, sin, seqs: PackedSeqs):
-        h, aux, stats = self.attention(self.attention_norm(x), cos, sin, seqs)
+    def forward(self, x, cos, sin, seqs: PackedSeqs, cache=None):
+        """x (B, T, d) -> (x, aux_loss, routing stats); `seqs` and `cache` as the attention module's forward
+        (`logo.model.attention.QKVAttention.forward`: training, prefill and decoding steps alike)."""
+        h, aux, stats = self.attention(self.attention_norm(x), cos, sin, seqs, cache=cache)
         x = x + h
         x = x + self.feed_forward(self.ffn_norm(x))
         return x, aux, stats

@@ -11,7 +11,9 @@ Written by `python -m logo.export`; self-contained (no `logo` import, no Triton)
                  (1 - p) Norm^L(O^L) + p Norm^G(O^G) (weighted) or Norm^L(O^L) + p Norm^G(O^G) (additive)
 
 `generate` re-encodes the whole sequence at every step (no KV cache): exact, quadratic in length.
-`attention_mask` zeros (padding, left or right) are never attended to and never routed global.
+`attention_mask` zeros (padding, left or right) are never attended to and never routed global. Arithmetic is in
+at least fp32 (fp64 weights compute in fp64). This file stands alone; tests/test_export.py checks it against the
+`logo` package (the same logits in float64 for every attention kind, and the same fusion rule).
 """
 from __future__ import annotations
 
@@ -27,6 +29,21 @@ from .configuration_logo import LogoConfig
 _SCORE_ELEMS = 1 << 25  # bound on one (H, queries, keys) score block
 
 
+def upcast(x):
+    """x in at least fp32 (fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def gated_fusion(n_local, n_global, p, z, weighted):
+    """LoGo's fusion of the normalised branch outputs n_local, n_global (N, H, D), gate p (N,), decisions z (N,)
+    bool: n_local where not z; (1 - p) n_local + p n_global (weighted) or n_local + p n_global (additive), summed in
+    at least fp32 and rounded once, where z."""
+    cdt = torch.float64 if n_local.dtype == torch.float64 else torch.float32
+    p_ = p[:, None, None].to(cdt)  # (N, 1, 1)
+    fused = ((1.0 - p_) * n_local.to(cdt) if weighted else n_local.to(cdt)) + p_ * n_global.to(cdt)
+    return torch.where(z[:, None, None], fused.to(n_local.dtype), n_local)
+
+
 class LogoRMSNorm(nn.Module):
     """RMSNorm over the last dim in fp32; weight (D,) or head-wise (H, D)."""
 
@@ -36,9 +53,9 @@ class LogoRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(shape))
 
     def forward(self, x):
-        xf = x.float()
+        xf = upcast(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 def rope_cos_sin(positions, head_dim, theta):
@@ -51,7 +68,7 @@ def rope_cos_sin(positions, head_dim, theta):
 
 def apply_rope(x, cos, sin):
     """Rotate the pairs (x[i], x[i + D/2]): x (B, T, H, D), cos/sin broadcastable to (B, T, H, D/2)."""
-    xf = x.float()
+    xf = upcast(x)
     x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
@@ -61,7 +78,7 @@ def attend(q, k, v, q_idx, key_ok, window=None):
     q (Tq, H, D), k/v (Tk, H, D), key_ok (Tk,) bool; window: keys q_idx-window+1 .. q_idx only -> (Tq, H, D)."""
     tk, h = k.shape[0], k.shape[1]
     kidx = torch.arange(tk, device=q.device)
-    kt, vt = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # (H, Tk, D)
+    kt, vt = upcast(k.transpose(0, 1)), upcast(v.transpose(0, 1))  # (H, Tk, D)
     out, step = [], max(1, _SCORE_ELEMS // (h * max(tk, 1)))
     for s in range(0, q.shape[0], step):
         qi = q_idx[s:s + step]
@@ -69,7 +86,7 @@ def attend(q, k, v, q_idx, key_ok, window=None):
         if window is not None:
             allowed &= kidx[None] > qi[:, None] - window
         allowed |= kidx[None] == qi[:, None]  # a padding query still sees itself (no empty softmax)
-        o = F.scaled_dot_product_attention(q[s:s + step].transpose(0, 1).float(), kt, vt, attn_mask=allowed)
+        o = F.scaled_dot_product_attention(upcast(q[s:s + step].transpose(0, 1)), kt, vt, attn_mask=allowed)
         out.append(o.transpose(0, 1))
     return torch.cat(out).to(q.dtype) if out else q.new_zeros(q.shape)
 
@@ -140,31 +157,29 @@ class LogoAttention(nn.Module):
 
     def logo(self, x, q, k, v, cos, sin, valid):
         """LoGo mixing before o_proj: (B, T, H, D)."""
-        p = torch.sigmoid(x.float() @ self.gate.float())  # (B, T)
+        xf = upcast(x)
+        p = torch.sigmoid(xf @ self.gate.to(xf.dtype))  # (B, T)
         z = (p > self.threshold) & valid  # (B, T) routing decision
-        o_local = self.norm_local(attend_rows(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, valid,
-                                              self.window))  # (B, T, H, D)
+        o_local = attend_rows(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, valid, self.window)  # (B, T, H, D)
         if self.transform == "full":
             kg, vg = self._heads(self.k_proj_global(x)), self._heads(self.v_proj_global(x))
         else:
             kg, vg = self.phi(1, k), self.phi(2, v)
         kg = apply_rope(kg, cos, sin)
-        out = o_local.clone()
+        out = []
         for b in range(x.shape[0]):
             sel = torch.nonzero(z[b]).squeeze(1)  # (Nq,) selected rows of sequence b
-            if sel.numel() == 0:
-                continue
-            if self.transform == "full":
-                qg = self._heads(self.q_proj_global(x[b, sel]))
-            else:
-                qg = self.phi(0, q[b, sel])
-            qg = apply_rope(qg[None], cos[b, sel][None], sin[b, sel][None])[0]  # (Nq, H, D)
-            og = self.norm_global(attend(qg, kg[b], vg[b], sel, valid[b]))
-            ps = p[b, sel][:, None, None]
-            ol = o_local[b, sel].float()
-            fused = (1.0 - ps) * ol + ps * og.float() if self.fusion == "weighted" else ol + ps * og.float()
-            out[b, sel] = fused.to(out.dtype)
-        return out
+            o_global = torch.zeros_like(o_local[b])  # (T, H, D): the global branch at the selected rows only
+            if sel.numel() > 0:
+                if self.transform == "full":
+                    qg = self._heads(self.q_proj_global(x[b, sel]))
+                else:
+                    qg = self.phi(0, q[b, sel])
+                qg = apply_rope(qg[None], cos[b, sel][None], sin[b, sel][None])[0]  # (Nq, H, D)
+                o_global[sel] = attend(qg, kg[b], vg[b], sel, valid[b])
+            out.append(gated_fusion(self.norm_local(o_local[b]), self.norm_global(o_global), p[b], z[b],
+                                    self.fusion == "weighted"))
+        return torch.stack(out)
 
 
 class LogoMLP(nn.Module):
