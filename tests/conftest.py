@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +34,13 @@ def train_cmd(*overrides, nproc: int = 1, fault: bool = False) -> list:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 script, *overrides]
     return [sys.executable, script, *overrides]
+
+
+def terminal_sigint() -> None:
+    """preexec_fn of a child that is sent Ctrl-C: SIGINT at its default, as under a terminal. A suite started in the
+    background (`pytest ... &`, nohup) passes SIGINT ignored to its children, and Python then never raises
+    KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def train_env(nproc: int = 1, env=None) -> dict:

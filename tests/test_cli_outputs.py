@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, scratch_dir
+from conftest import ROOT, scratch_dir, terminal_sigint
 from data.prepare import main as prepare_main
 from logo.eval.__main__ import main as eval_main
 from logo.export.__main__ import main as export_main
@@ -210,7 +210,7 @@ def interrupted(cmd, ready, timeout: float = 240, env=None) -> tuple[int, str, s
     (SIGINT to the group, as a terminal does); returns (exit code, stdout, stderr)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TQDM_MININTERVAL": "0", **(env or {})}
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=terminal_sigint)
     got, deadline = {p.stdout: b"", p.stderr: b""}, time.time() + timeout
     try:
         while not ready(got[p.stdout].decode(errors="replace"), got[p.stderr].decode(errors="replace")):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, train_env
+from conftest import ROOT, terminal_sigint, train_env
 
 
 def _module(name: str, path: str):
@@ -129,8 +129,9 @@ def test_a_run_is_evaluated_on_its_corpus_its_synthetic_sources_and_ruler_at_its
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_the_study_and_its_training_run(tmp_path, sig):
     p = subprocess.Popen([sys.executable, "-m", "launch.study", "mini", "--size", "tiny", "--seeds", "0",
-                          "--runs-dir", str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs")], cwd=ROOT,
-                         env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--runs-dir", str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs"),
+                          "--out", str(tmp_path / "report")], cwd=ROOT, env=train_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=terminal_sigint)
     lines = []
     for line in p.stdout:
         lines.append(line)
