@@ -31,9 +31,9 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch.sweep import SweepError, check_overrides, compose, list_presets, make_tasks  # noqa: E402
+from data.outputs import INTERRUPTED  # noqa: E402
+from launch.sweep import SweepError, check_overrides, compose, list_presets, make_tasks, parse_seeds  # noqa: E402
 
-INTERRUPTED = 130
 # --size: train.py overrides after the preset's own settings (the user's `--` overrides come after these).
 # tiny: the same presets at a CPU size (a few steps of the tiny model at 256 tokens), for trying the command
 # and for the test suite; its own stage name keeps its run directories apart from the real ones.
@@ -92,9 +92,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.size not in SIZES:
         raise ArgError(f"--size {a.size!r}: choose one of {', '.join(SIZES)}")
     try:
-        a.seed_list = [int(s) for s in a.seeds.split(",")]
-    except ValueError:
-        raise ArgError(f"--seeds {a.seeds!r}: give comma-separated integers, e.g. 0,1,2") from None
+        a.seed_list = parse_seeds(a.seeds)
+    except SweepError as e:
+        raise ArgError(str(e)) from None
     if len(set(a.seed_list)) != len(a.seed_list):
         raise ArgError(f"--seeds {a.seeds!r}: a seed is repeated")
     if a.gpus is not None and a.gpus < 0:
@@ -272,7 +272,7 @@ def main(argv: list[str]) -> int:
                           f"no report")
             return 2
         report = Step("report", [sys.executable, "-m", "logo.report", *(str(j.run_dir) for j in jobs),
-                                 "--family", a.family.split("/")[0], "--out", str(out)], log_dir / "report.log")
+                                 "--family", a.family, "--out", str(out)], log_dir / "report.log")
         (job,) = run_queue([Job(f"of {len(jobs)} runs", [report])], [slots[0]], start, progress)
         if job.failed:
             return 2

@@ -24,6 +24,9 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's logo package, as train.py (run from ROOT) uses it
+
+from data.outputs import INTERRUPTED  # noqa: E402
+
 EXPERIMENTS = ROOT / "conf" / "experiment"
 SBATCH_SCRIPT = "launch/slurm_train.sbatch"
 
@@ -218,6 +221,14 @@ def submit(arrays: list[Array], family: str, sweep_dir: Path, log_dir: Path, thr
     return records
 
 
+def parse_seeds(text: str) -> list[int]:
+    """--seeds "0,1,2" -> [0, 1, 2]; SweepError naming the value otherwise."""
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise SweepError(f"--seeds {text!r}: give comma-separated integers, e.g. 0,1,2") from None
+
+
 def parse_args(argv: list[str]):
     ap = argparse.ArgumentParser(prog="launch/sweep.sh", description=__doc__.splitlines()[0],
                                  epilog="Everything after `--` is passed to every train.py.")
@@ -231,9 +242,9 @@ def parse_args(argv: list[str]):
     args = ap.parse_args(argv[:split])
     args.overrides = argv[split + 1:]
     try:
-        args.seed_list = [int(s) for s in args.seeds.split(",")] if args.seeds else []
-    except ValueError:
-        ap.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1,2")
+        args.seed_list = parse_seeds(args.seeds) if args.seeds else []
+    except SweepError as e:
+        ap.error(str(e))
     if args.throttle < 0:
         ap.error(f"--throttle {args.throttle}: must be >= 0")
     return args
@@ -270,7 +281,7 @@ def main(argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt:
         print(f"interrupted{submitted(records)}", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     for r in rows:
         seed = f" seed={r['seed']}" if r["seed"] is not None else ""
         print(f"{r['task']} {r['preset']}{seed} {r['run_dir']}" + (f" after {r['after']}" if r["after"] else ""))
