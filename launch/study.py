@@ -190,7 +190,8 @@ def launcher(extra_env: Optional[dict] = None) -> Callable[[Step, str], subproce
 
 
 def plan_jobs(a: argparse.Namespace, log_dir: Path, runs_dir: Path) -> list[Job]:
-    """One job per preset and seed: train.py, then the run's evaluations."""
+    """One job per preset and seed: train.py, then the run's evaluations. Seed-major order: every arm's first seed
+    before any arm's second, so a study stopped part-way has comparable runs of every arm."""
     if "/" in a.family:
         raise StudyError(f"{a.family!r} is one preset; a study runs a family (e.g. {a.family.split('/')[0]})")
     names = list_presets(a.family)
@@ -202,7 +203,7 @@ def plan_jobs(a: argparse.Namespace, log_dir: Path, runs_dir: Path) -> list[Job]
         raise StudyError(f"preset {chained[0]} starts from another run (checkpoint.init_from): a study runs "
                          f"single-stage families; use launch/sweep.sh {a.family} for chained stages")
     jobs = []
-    for t in tasks:
+    for t in sorted(tasks, key=lambda t: t.seed):  # stable: the family's preset order within a seed
         train = Step("train", [sys.executable, "train.py", *t.args], log_dir / f"{t.run_name}.train.log")
         evals = Step("eval", [sys.executable, "-m", "launch.study_eval", str(t.run_dir), "--size", a.size],
                      log_dir / f"{t.run_name}.eval.log")

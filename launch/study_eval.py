@@ -8,7 +8,9 @@ accuracy on held-out episodes of every synthetic source of its mixture, and the 
 context (`stage.seq_len`; mini also at half of it); how much of each follows from --size (EVALS; tiny: 2 RULER
 tasks). Each command is printed as `== python -m logo.eval ...` before it runs, so the log names the step that
 failed; the first failure ends the process with that command's exit code (2: a bad input, one line
-`error: ...`). Ctrl-C: one line, 130.
+`error: ...`). Ctrl-C: one line, 130. When every command has succeeded, `eval/study_<size>.json` records the
+checkpoint and the commands; a run whose newest checkpoint was already evaluated with the same commands is not
+evaluated again (a study that is run again after an interruption picks up where it stopped).
 """
 from __future__ import annotations
 
@@ -64,6 +66,20 @@ def eval_commands(run_dir: str, cfg, size: str) -> list[list[str]]:
     return cmds
 
 
+def done_marker(run_dir: Path, size: str) -> Path:
+    return run_dir / "eval" / f"study_{size}.json"
+
+
+def already_done(marker: Path, checkpoint: Path, cmds: list) -> bool:
+    """The marker records this checkpoint and these commands."""
+    import json
+    try:
+        rec = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return rec.get("checkpoint") == str(checkpoint) and rec.get("commands") == cmds
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m launch.study_eval", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
@@ -72,14 +88,21 @@ def main(argv=None) -> int:
     from data.outputs import INTERRUPTED, one_line
     from logo.config import ConfigError
     from logo.eval.__main__ import main as eval_main
-    from logo.run.checkpoint import CheckpointError
+    from data.format import atomic_write_json
+    from logo.run.checkpoint import CheckpointError, resolve_checkpoint
     from logo.run.load import run_config
 
+    run_dir = Path(a.run_dir)
     try:
-        cmds = eval_commands(a.run_dir, run_config(Path(a.run_dir)), a.size)
+        cmds = eval_commands(a.run_dir, run_config(run_dir), a.size)
+        checkpoint = resolve_checkpoint(run_dir, verify_files=False)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    marker = done_marker(run_dir, a.size)
+    if already_done(marker, checkpoint, cmds):
+        print(f"== {checkpoint} was already evaluated ({marker}): nothing to do", flush=True)
+        return 0
     for cmd in cmds:
         print(f"== python -m logo.eval {' '.join(cmd)}", flush=True)
         try:
@@ -91,6 +114,7 @@ def main(argv=None) -> int:
         if rc != 0:
             print(f"== {cmd[0]} failed (exit code {rc})", flush=True)
             return rc
+    atomic_write_json(marker, {"checkpoint": str(checkpoint), "commands": cmds})
     return 0
 
 

@@ -161,7 +161,7 @@ def test_the_tiny_study_trains_evaluates_and_reports_every_arm(tmp_path):
         cfg = json.loads((run / "plan.json").read_text())
         assert cfg["steps"] == 2
         evals = sorted(f.name for f in (run / "eval").glob("*.json"))
-        assert evals == ["perplexity.json", "ruler.json", "synthetic_associative_recall.json",
+        assert evals == ["perplexity.json", "ruler.json", "study_tiny.json", "synthetic_associative_recall.json",
                          "synthetic_far_copy.json", "synthetic_needle_retrieval.json"], evals
         ruler = json.loads((run / "eval" / "ruler.json").read_text())["results"]
         assert list(ruler["average"]) == ["256"] and sorted(ruler["scores"]) == ["mk_niah_1", "s_niah_1"]
@@ -172,3 +172,9 @@ def test_the_tiny_study_trains_evaluates_and_reports_every_arm(tmp_path):
     for arm in ("Transformer", "inter-layer-H", "intra-layer-H", "LoGo"):
         assert any(ln.startswith(f"| {arm} ") for ln in rows), report
     assert (out / "ratio_check.csv").is_file() and (out / "span_allocation.csv").is_file()
+    # run again: nothing is trained or evaluated twice; the report is written again
+    again = subprocess.run(p.args, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, (again.stdout, again.stderr)
+    assert sum("already complete" in ln for ln in again.stdout.splitlines()) == 4, again.stdout
+    for log in logs.glob("*.eval.log"):
+        assert log.read_text().rstrip().endswith("nothing to do"), log.read_text()[-2000:]
