@@ -279,10 +279,12 @@ def test_decode_benchmark_runs_with_its_anchor(tmp_path):
 def test_decode_step_compiles_as_one_graph(name):
     """A decoding step through the block's own forward, as torch.compile fuses it on a GPU, traces without a graph
     break (fullgraph) and gives the eager step's outputs, caches and routing counts (traced here with the
-    aot_eager backend: no code generation)."""
+    aot_eager backend: no code generation). Dynamo's cache of `block_forward` is reset first: other tests of the
+    process (on other devices and dtypes) would count against its recompile limit."""
     from logo.eval.decode import block_forward
     from logo.model.kv_cache import DecodeStep
     from logo.model.layers import rope_cos_sin
+    torch._dynamo.reset()
     model = make_model(KINDS[name])
     block = model.layers["0"]
     B, S = 3, 16
