@@ -28,7 +28,7 @@ import re
 import threading
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -68,10 +68,12 @@ class SyntheticParams:
     distractors: int = 8  # needle_retrieval: decoys
     value_len: int = 4  # needle_retrieval: tokens of a needle's value
     span: int = 32  # far_copy: tokens copied
+    pool: int = 0  # words in each of the key and value pools the episodes draw from; 0: the tokenizer's whole pools
 
     def relevant(self) -> dict:
         """The parameters this task reads."""
-        return {k: getattr(self, k) for k in ("task", "length", "gap", *TASK_PARAMS.get(self.task, ()))}
+        names = ("task", "length", "gap", *TASK_PARAMS.get(self.task, ()), *(("pool",) if self.pool else ()))
+        return {k: getattr(self, k) for k in names}
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ def check_params(p: SyntheticParams, vocab: Optional[SyntheticVocab] = None) -> 
     if p.task not in TASKS:
         raise ParamError("task", p.task, f"unknown synthetic task; choose one of {list(TASKS)}")
     ints = {"length": 8, "gap": 1, "pairs": 1, "queries": 1, "needles": 1, "distractors": 0, "value_len": 1,
-            "span": 1}
+            "span": 1, "pool": 0}
     for name, low in ints.items():
         v = getattr(p, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
@@ -169,6 +171,10 @@ def check_params(p: SyntheticParams, vocab: Optional[SyntheticVocab] = None) -> 
     if p.task == "associative_recall" and p.queries > p.pairs:
         raise ParamError("queries", p.queries, f"at most pairs={p.pairs} (each pair is asked at most once)")
     keys = {"associative_recall": p.pairs, "needle_retrieval": p.needles + p.distractors}.get(p.task, 0)
+    if p.pool and keys > p.pool:
+        raise ParamError("pool", p.pool, f"an episode needs {keys} distinct keys; pool must be at least that")
+    if vocab is not None and p.pool > vocab.keys.size:
+        raise ParamError("pool", p.pool, f"the tokenizer's key pool has {vocab.keys.size} words")
     if vocab is not None and keys > vocab.keys.size:
         name = "pairs" if p.task == "associative_recall" else "distractors"
         raise ParamError(name, getattr(p, name), f"an episode needs {keys} distinct keys, the pool has {vocab.keys.size}")
@@ -255,6 +261,8 @@ class SyntheticTask:
     def __init__(self, params: SyntheticParams, tokenizer: str = "cl100k_base"):
         self.vocab = synthetic_vocab(tokenizer)
         check_params(params, self.vocab)
+        if params.pool:  # the first `pool` words of each pool (the pools are fixed shuffles of the tokenizer's words)
+            self.vocab = replace(self.vocab, keys=self.vocab.keys[:params.pool], values=self.vocab.values[:params.pool])
         self.params = params
         self._generate = GENERATORS[params.task]
         self.answer_len = {"associative_recall": 1, "needle_retrieval": params.value_len,

@@ -39,9 +39,12 @@ from launch.sweep import SweepError, check_overrides, compose, list_presets, mak
 # and for the test suite; its own stage name keeps its run directories apart from the real ones.
 SIZES = {
     "mini": [],
-    "tiny": ["model=tiny", "attention.window=16", "stage.name=mini_tiny", "stage.seq_len=256", "stage.tokens=0",
-             "stage.global_batch_tokens=512", "train.steps=2", "train.micro_batch=2", "checkpoint.interval=2",
-             "eval.interval=0", "logging.interval=1", "logging.ratio_window=0", "logging.heatmap_interval=1000"],
+    "tiny": ["model=tiny", "attention.window=16", "train.compile=false", "stage.name=mini_tiny", "stage.seq_len=256",
+             "stage.tokens=0", "stage.global_batch_tokens=512", "train.steps=2", "train.micro_batch=2", "checkpoint.interval=2",
+             "eval.interval=0", "logging.interval=1", "logging.ratio_window=0", "logging.heatmap_interval=1000",
+             # the synthetic sources' episodes fit 256 tokens (mix_long_range's sources 1-3: recall, needles, copy)
+             "data.sources.1.pairs=8", "data.sources.1.queries=8", "data.sources.2.needles=2",
+             "data.sources.2.distractors=2", "data.sources.3.span=16"],
 }
 STOP_GRACE_S = 60  # after SIGTERM, how long a step may take to save and exit before it is killed
 

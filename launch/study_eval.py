@@ -8,7 +8,7 @@ accuracy on held-out episodes of every synthetic source of its mixture, and the 
 context (`stage.seq_len`; mini also at half of it); how much of each follows from --size (EVALS; tiny: 2 RULER
 tasks). Each command is printed as `== python -m logo.eval ...` before it runs, so the log names the step that
 failed; the first failure ends the process with that command's exit code (2: a bad input, one line
-`error: ...`). Ctrl-C: one line, 130. When every command has succeeded, `eval/study_<size>.json` records the
+`error: ...`). Ctrl-C: one line, 130. When every command has succeeded, `<run>/study_eval_<size>.json` records the
 checkpoint and the commands; a run whose newest checkpoint was already evaluated with the same commands is not
 evaluated again (a study that is run again after an interruption picks up where it stopped).
 """
@@ -67,7 +67,7 @@ def eval_commands(run_dir: str, cfg, size: str) -> list[list[str]]:
 
 
 def done_marker(run_dir: Path, size: str) -> Path:
-    return run_dir / "eval" / f"study_{size}.json"
+    return run_dir / f"study_eval_{size}.json"
 
 
 def already_done(marker: Path, checkpoint: Path, cmds: list) -> bool:

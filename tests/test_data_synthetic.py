@@ -113,12 +113,32 @@ def test_copy_answer_is_the_span_far_back():
 @pytest.mark.parametrize("change,field", [
     (dict(task="sorting"), "task"), (dict(pairs=0), "pairs"), (dict(queries=13), "queries"),
     (dict(length=100), "length"), (dict(gap=0), "gap"), (dict(pairs=5000, queries=1, length=20000), "pairs"),
+    (dict(pool=8), "pool"), (dict(pool=10 ** 6), "pool"), (dict(pool=-1), "pool"),
 ])
 def test_params_that_cannot_work_name_the_field(change, field):
     from dataclasses import replace
     with pytest.raises(ParamError) as e:
         check_params(replace(PARAMS["associative_recall"], **change), V)
     assert e.value.field == field and str(e.value).startswith(f"{field}=")
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_a_pool_draws_keys_and_values_from_its_first_words_and_names_itself(task):
+    """pool=n: every key and value of every episode is one of the first n words of its pool; the filler is not
+    restricted; pool=0 (the whole pools) keeps the fingerprint of a task without the parameter."""
+    from dataclasses import replace
+    n = 24
+    pooled = SyntheticTask(replace(PARAMS[task], pool=n))
+    allowed = set(V.keys[:n].tolist()) | set(V.values[:n].tolist())
+    for i in range(6):
+        e = pooled.episode(i, train_stream(0, "s"))
+        answers = e.tokens[e.far_targets]
+        assert set(answers.tolist()) <= allowed
+        keys_and_values = np.isin(e.tokens, np.concatenate((V.keys, V.values)))
+        assert set(e.tokens[keys_and_values].tolist()) <= allowed
+    assert pooled.describe()["pool"] == n and "pool" not in SyntheticTask(PARAMS[task]).describe()
+    whole = SyntheticTask(PARAMS[task])
+    assert SyntheticTask(replace(PARAMS[task], pool=0)).fingerprint == whole.fingerprint != pooled.fingerprint
 
 
 @pytest.mark.parametrize("length", [64, 128])

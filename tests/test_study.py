@@ -161,8 +161,9 @@ def test_the_tiny_study_trains_evaluates_and_reports_every_arm(tmp_path):
         cfg = json.loads((run / "plan.json").read_text())
         assert cfg["steps"] == 2
         evals = sorted(f.name for f in (run / "eval").glob("*.json"))
-        assert evals == ["perplexity.json", "ruler.json", "study_tiny.json", "synthetic_associative_recall.json",
+        assert evals == ["perplexity.json", "ruler.json", "synthetic_associative_recall.json",
                          "synthetic_far_copy.json", "synthetic_needle_retrieval.json"], evals
+        assert (run / "study_eval_tiny.json").is_file()
         ruler = json.loads((run / "eval" / "ruler.json").read_text())["results"]
         assert list(ruler["average"]) == ["256"] and sorted(ruler["scores"]) == ["mk_niah_1", "s_niah_1"]
     assert p.returncode == 0, (p.stdout, p.stderr)

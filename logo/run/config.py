@@ -89,13 +89,14 @@ class SourceConfig:
     distractors: int = 8  # needle_retrieval: decoy needles (half of them repeat a needle's key)
     value_len: int = 4  # needle_retrieval: tokens of a needle's value
     span: int = 32  # far_copy: tokens copied
+    pool: int = 0  # every task: words in each of the key and value pools it draws from; 0: the tokenizer's whole pools
 
 
 def synthetic_params(src: SourceConfig, seq_len: int, window: int, n_layers: int) -> SyntheticParams:
     """A synthetic source's episode shape in tokens: length 0 -> seq_len, gap -> ceil(gap x window x layers)."""
     return SyntheticParams(task=src.task, length=src.length or seq_len, gap=math.ceil(src.gap * window * n_layers),
                            pairs=src.pairs, queries=src.queries, needles=src.needles, distractors=src.distractors,
-                           value_len=src.value_len, span=src.span)
+                           value_len=src.value_len, span=src.span, pool=src.pool)
 
 
 @dataclass
