@@ -1,5 +1,6 @@
 """The evaluations of one run of a study (`python -m launch.study`), in one process: `python -m logo.eval`'s
-commands called one after another, so the interpreter, torch and CUDA start once per run, not once per command.
+commands called one after another, so the interpreter, torch and CUDA start and the checkpoint is loaded once per
+run, not once per command.
 
     python -m launch.study_eval RUN_DIR [--size mini|tiny]
 
@@ -103,10 +104,11 @@ def main(argv=None) -> int:
     if already_done(marker, checkpoint, cmds):
         print(f"== {checkpoint} was already evaluated ({marker}): nothing to do", flush=True)
         return 0
+    models: dict = {}  # the checkpoint is loaded by the first command and reused by the others
     for cmd in cmds:
         print(f"== python -m logo.eval {' '.join(cmd)}", flush=True)
         try:
-            rc = eval_main(cmd)
+            rc = eval_main(cmd, models=models)
         except KeyboardInterrupt:
             print(f"interrupted during {cmd[0]}", file=sys.stderr)
             return INTERRUPTED

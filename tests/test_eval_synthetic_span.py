@@ -55,3 +55,22 @@ def test_no_span_fields_without_logo_layers(tmp_path):
     res = synthetic_accuracy(loaded, params, episodes=2, batch_size=2, label=label)
     assert "span" not in res and 0.0 <= res["accuracy"] <= 1.0
     assert not any("global_ratio" in k for k in synthetic_metrics(res))
+
+
+def test_commands_run_in_one_process_share_the_loaded_model(tmp_path, monkeypatch):
+    """`python -m logo.eval`'s main with a `models` dict (as launch.study_eval calls it): the first command loads
+    the checkpoint, the next ones with the same checkpoint, device and dtype reuse it; without the dict every
+    command loads its own."""
+    import logo.eval.__main__ as ev
+    loads = []
+
+    def load(path, device=None, dtype="auto"):
+        loads.append(path)
+        return _loaded(tmp_path, "logo")
+
+    monkeypatch.setattr(ev, "load_model", load)
+    cmd = ["synthetic", str(tmp_path), "--source", "recall", "--episodes", "2", "--batch-size", "2", "--no-progress"]
+    models = {}
+    assert ev.main(cmd, models=models) == 0 and ev.main(cmd, models=models) == 0
+    assert len(loads) == 1 and (tmp_path / "eval" / "synthetic_associative_recall.json").is_file()
+    assert ev.main(cmd) == 0 and len(loads) == 2

@@ -20,6 +20,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Optional
 
 from data.format import DataError
 from data.outputs import INTERRUPTED, interrupt_deferred, one_line
@@ -145,12 +146,20 @@ def _span(a, loaded, progress) -> dict:
     return {"wrote": f"{out}/ ({', '.join(f.name for f in files)})"}
 
 
-def main(argv=None) -> int:
+def main(argv=None, models: Optional[dict] = None) -> int:
+    """One command. `models`: a dict kept by a caller that runs several commands in one process
+    (`launch.study_eval`); a model loaded for one command is reused by the next with the same checkpoint argument,
+    device and dtype."""
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     out = {}
     try:
-        loaded = load_model(a.checkpoint, a.device, a.dtype)
+        key = (a.checkpoint, a.device, a.dtype)
+        loaded = models.get(key) if models is not None else None
+        if loaded is None:
+            loaded = load_model(a.checkpoint, a.device, a.dtype)
+            if models is not None:
+                models[key] = loaded
         progress = Progress(a.progress)  # the summary's seconds: the evaluation, the model's loading aside
         command = {"perplexity": _perplexity, "ruler": _ruler, "synthetic": _synthetic, "lm_eval": _lm_eval,
                    "span": _span}[a.what]
