@@ -73,10 +73,10 @@ def done_marker(run_dir: Path, size: str) -> Path:
 
 def already_done(marker: Path, checkpoint: Path, cmds: list) -> bool:
     """The marker records this checkpoint and these commands."""
-    import json
+    from data.format import DataError, read_json
     try:
-        rec = json.loads(marker.read_text())
-    except (OSError, ValueError):
+        rec = read_json(marker, "study evaluation record")
+    except DataError:
         return False
     return rec.get("checkpoint") == str(checkpoint) and rec.get("commands") == cmds
 
@@ -116,7 +116,9 @@ def main(argv=None) -> int:
         if rc != 0:
             print(f"== {cmd[0]} failed (exit code {rc})", flush=True)
             return rc
-    atomic_write_json(marker, {"checkpoint": str(checkpoint), "commands": cmds})
+    # the checkpoint the commands loaded: an older one than `checkpoint` when the newest does not verify
+    (loaded,) = models.values()
+    atomic_write_json(marker, {"checkpoint": str(loaded.checkpoint), "commands": cmds})
     return 0
 
 

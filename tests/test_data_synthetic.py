@@ -136,8 +136,8 @@ def test_a_pool_draws_keys_and_values_from_its_first_words_and_names_itself(task
         assert set(answers.tolist()) <= allowed
         keys_and_values = np.isin(e.tokens, np.concatenate((V.keys, V.values)))
         assert set(e.tokens[keys_and_values].tolist()) <= allowed
-    assert pooled.describe()["pool"] == n and "pool" not in SyntheticTask(PARAMS[task]).describe()
     whole = SyntheticTask(PARAMS[task])
+    assert pooled.describe()["pool"] == n and "pool" not in whole.describe()
     assert SyntheticTask(replace(PARAMS[task], pool=0)).fingerprint == whole.fingerprint != pooled.fingerprint
 
 
