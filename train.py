@@ -17,7 +17,7 @@ from data.format import DataError
 from logo.config import ConfigError
 from logo.run.checkpoint import CheckpointError
 from logo.run.config import UnknownOption, compose, register_configs, to_dataclass
-from logo.train.peers import lost_peer_message
+from logo.train.peers import lost_peer_message, report_lost_peer
 from logo.train.rundir import RunComplete, RunDirLocked
 from logo.train.trainer import TrainingDiverged, dry_run, train
 
@@ -89,7 +89,7 @@ def main(cfg: DictConfig) -> None:
         lost = lost_peer_message(e)
         if lost is None:
             raise
-        print(f"error: {lost}", file=sys.stderr)
+        report_lost_peer(lost)
         sys.exit(2)
     finally:
         import torch.distributed as dist

@@ -359,10 +359,45 @@ def test_a_dead_peer_rank_is_named_in_one_line(tmp_path, default_corpus):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and time.time() - t0 < 60
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert errors == [f"error: rank 1 (pid {pid}) of this run died; rank 0 stops too (its last collective failed); "
+    assert errors == [f"error: rank 1 (pid {pid}) of this run died; rank 0 stops too; "
                       f"the last complete checkpoint stays latest: re-run the same command to resume"], err[-4000:]
     assert "Error executing job" not in err and "train.py\", line" not in err and "gloo" not in err.lower()
     assert "ChildFailedError" in err  # torchrun's report stays
+
+
+WATCHED = """
+import os, socket, subprocess, sys, time
+from logo.train import peers
+peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+peers._PEERS[:] = [(socket.gethostname(), os.getpid()), (socket.gethostname(), peer.pid)]
+peers.PeerWatch(grace_s=float(sys.argv[1])).arm()
+print("armed", peer.pid, flush=True)
+if sys.argv[2] == "kill":
+    peer.kill()
+    peer.wait()  # reaped at once: gone from /proc, as a dead rank is once torchrun collects it
+time.sleep(10)  # a collective that never completes
+peer.kill()
+print("not ended", flush=True)
+"""
+
+
+@pytest.mark.parametrize("peer", ["kill", "live"])
+def test_a_rank_blocked_on_a_dead_peer_is_ended_by_its_watch(peer):
+    """A rank whose peer on the same host died while this rank waits in a collective that never fails (gloo may miss
+    the closed connection; NCCL waits out its timeout) says so in one line within the watch's grace and exits 2; a
+    live peer does not trip it."""
+    import time
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", WATCHED, "0.5", peer], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    took = time.time() - t0
+    pid = p.stdout.split()[1]
+    if peer == "live":
+        assert p.returncode == 0 and "not ended" in p.stdout and "error" not in p.stderr, p.stderr
+        return
+    assert p.returncode == 2 and took < 8 and "not ended" not in p.stdout, (p.returncode, took, p.stderr)
+    assert p.stderr.splitlines() == [f"error: rank 1 (pid {pid}) of this run died; rank 0 stops too; the last "
+                                     f"complete checkpoint stays latest: re-run the same command to resume"]
 
 
 def test_a_hung_peer_rank_ends_the_run_within_the_timeout(tmp_path, default_corpus):

@@ -1,17 +1,21 @@
 """The processes behind the ranks of a distributed run, so that a rank whose collective failed because a peer died
 can name the rank that died in one line, or say that its collective timed out (torchrun's own report still says how
-it ended)."""
+it ended). `PeerWatch` ends a rank whose collective waits on a dead peer without failing."""
 from __future__ import annotations
 
 import os
 import re
 import socket
+import sys
+import threading
 import time
 from typing import Optional
 
 import torch.distributed as dist
 
 _PEERS: list[tuple[str, int]] = []  # (host, pid) of every rank, gathered when the process group starts
+_REPORTED = threading.Lock()  # taken by the first lost-peer report of this process: a rank says it once
+RESUME = "the last complete checkpoint stays latest: re-run the same command to resume"
 
 
 def record_peers() -> None:
@@ -57,14 +61,67 @@ def lost_peer_message(error: BaseException) -> Optional[str]:
     dead = dead_peers()
     remote = re.search(r"Connection (?:closed|reset) by peer \[([^\]]+)\]", str(error))  # gloo's words
     me = next((r for r, peer in enumerate(_PEERS) if peer == (socket.gethostname(), os.getpid())), "?")
-    resume = "the last complete checkpoint stays latest: re-run the same command to resume"
     if dead:
-        who = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
-    elif remote:
-        who = f"the rank at {remote.group(1)}"  # on another host: its process cannot be looked at from here
-    elif re.search(r"timed out|timeout", str(error), re.IGNORECASE):
+        return _died(dead, me)
+    if remote:  # on another host: its process cannot be looked at from here
+        return f"the rank at {remote.group(1)} of this run died; rank {me} stops too; {RESUME}"
+    if re.search(r"timed out|timeout", str(error), re.IGNORECASE):
         return (f"a collective of rank {me} timed out (parallel.timeout_s): another rank stopped answering (hung, or "
-                f"stuck in a slow step); rank {me} stops; {resume}")
-    else:
-        return None
-    return f"{who} of this run died; rank {me} stops too (its last collective failed); {resume}"
+                f"stuck in a slow step); rank {me} stops; {RESUME}")
+    return None
+
+
+def _died(dead: list[int], me) -> str:
+    who = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
+    return f"{who} of this run died; rank {me} stops too; {RESUME}"
+
+
+def report_lost_peer(line: str) -> bool:
+    """Print `error: line` to stderr unless this process already reported a lost peer; True if it printed."""
+    if not _REPORTED.acquire(blocking=False):
+        return False
+    sys.stderr.flush()
+    os.write(2, f"error: {line}\n".encode())
+    return True
+
+
+class PeerWatch:
+    """While armed, a daemon thread looks at this host's other ranks every POLL_S. Once one has been dead for
+    `grace_s`, this rank reports it in one line and exits with code 2: a collective that waits on a dead peer does
+    not always fail (gloo can miss the closed connection, NCCL waits out its timeout, and torchrun's SIGTERM cannot
+    run the stop handler of a thread blocked in one). The main thread's own report, when its collective fails
+    first, is the one printed. Peers on other hosts are left to the collectives' timeout (parallel.timeout_s)."""
+
+    POLL_S = 0.25
+
+    def __init__(self, grace_s: float = 5.0):
+        self.grace_s = grace_s
+        self._armed = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def arm(self) -> PeerWatch:
+        """Start watching (nothing to watch in a single-process run, or without other ranks on this host)."""
+        host, me = socket.gethostname(), os.getpid()
+        if any(h == host and pid != me for h, pid in _PEERS):
+            self._armed.set()
+            self._thread = threading.Thread(target=self._watch, name="logo-peer-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def disarm(self) -> None:
+        """Stop watching: the loop ended, and peers may now exit on their own."""
+        self._armed.clear()
+
+    def _watch(self) -> None:
+        since = None
+        while self._armed.is_set():
+            dead = dead_peers(wait_s=0.0)
+            if not dead:
+                since = None
+            elif since is None:
+                since = time.monotonic()
+            elif time.monotonic() - since >= self.grace_s and self._armed.is_set():
+                me = next((r for r, peer in enumerate(_PEERS) if peer == (socket.gethostname(), os.getpid())), "?")
+                report_lost_peer(_died(dead, me))
+                os._exit(2)
+            time.sleep(self.POLL_S)

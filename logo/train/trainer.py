@@ -48,7 +48,7 @@ from logo.train.checkpoint import Checkpointer
 from logo.train.heldout import HeldOutEval
 from logo.train.loaders import build_loader, check_data, data_metrics, describe_loader, heldout_corpus
 from logo.train.metrics import BudgetWatch, MetricsLogger, console_line
-from logo.train.peers import record_peers
+from logo.train.peers import PeerWatch, record_peers
 from logo.train.plan import Plan, make_plan, planned_run_dir
 from logo.train.rundir import RunDirLocked, RunLock, check_prior_run, config_drift
 from logo.train.state import TrainState
@@ -517,6 +517,7 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
         gc.disable()
     last_save = time.monotonic()
     start_step, t_start = state.step, time.monotonic()
+    peer_watch = PeerWatch().arm()
     try:
         while state.step < plan.steps:
             with phase("data"):
@@ -580,7 +581,10 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
                                 stop.signal or "a stop signal on another rank", step)
                 break
     finally:
-        if sys.exc_info()[0] is None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, (RuntimeError, ConnectionError)):  # a collective's failure: the watch stays armed
+            peer_watch.disarm()
+        if error is None:
             stop.close()
         _close_checkpointer(ckpt, failing=sys.exc_info()[0] is not None)
         gc.enable()
