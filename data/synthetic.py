@@ -68,7 +68,7 @@ class SyntheticParams:
     distractors: int = 8  # needle_retrieval: decoys
     value_len: int = 4  # needle_retrieval: tokens of a needle's value
     span: int = 32  # far_copy: tokens copied
-    pool: int = 0  # words in each of the key and value pools the episodes draw from; 0: the tokenizer's whole pools
+    pool: int = 0  # words in each of the key, value and filler pools the episodes draw from; 0: the tokenizer's whole pools
 
     def relevant(self) -> dict:
         """The parameters this task reads."""
@@ -262,14 +262,17 @@ class SyntheticTask:
         self.vocab = synthetic_vocab(tokenizer)
         check_params(params, self.vocab)
         if params.pool:  # the first `pool` words of each pool (the pools are fixed shuffles of the tokenizer's words)
-            self.vocab = replace(self.vocab, keys=self.vocab.keys[:params.pool], values=self.vocab.values[:params.pool])
+            v = self.vocab
+            self.vocab = replace(v, keys=v.keys[:params.pool], values=v.values[:params.pool],
+                                 filler=v.filler[:params.pool])
         self.params = params
         self._generate = GENERATORS[params.task]
         self.answer_len = {"associative_recall": 1, "needle_retrieval": params.value_len,
                            "far_copy": params.span}[params.task]
         self.answers = {"associative_recall": params.queries, "needle_retrieval": params.needles,
                         "far_copy": 1}[params.task]
-        rec = {"params": params.relevant(), "tokenizer": self.vocab.tokenizer, "format": 1}
+        # format 2: `pool` also restricts the filler (episodes with pool 0 are those of format 1)
+        rec = {"params": params.relevant(), "tokenizer": self.vocab.tokenizer, "format": 2 if params.pool else 1}
         self.fingerprint = hashlib.sha256(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:16]
 
     @property

@@ -132,6 +132,15 @@ def wait_for_train(cond, proc, timeout: float = SLOW_BOX_TIMEOUT):
     raise AssertionError("timed out")
 
 
+def rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the worker process of `rank` started by the torchrun process `launcher`."""
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return int(child)
+    raise AssertionError(f"no worker of rank {rank} under pid {launcher}")
+
+
 def logged(run_dir, step) -> bool:
     """metrics.jsonl holds a training row of step `step` or later."""
     m = Path(run_dir) / "metrics.jsonl"

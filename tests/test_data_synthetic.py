@@ -123,19 +123,23 @@ def test_params_that_cannot_work_name_the_field(change, field):
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_a_pool_draws_keys_and_values_from_its_first_words_and_names_itself(task):
-    """pool=n: every key and value of every episode is one of the first n words of its pool; the filler is not
-    restricted; pool=0 (the whole pools) keeps the fingerprint of a task without the parameter."""
+def test_a_pool_draws_keys_values_and_filler_from_its_first_words_and_names_itself(task):
+    """pool=n: every key, value and filler token of every episode is one of the first n words of its pool (markers
+    and EOS aside); pool=0 (the whole pools) keeps the fingerprint of a task without the parameter."""
     from dataclasses import replace
     n = 24
     pooled = SyntheticTask(replace(PARAMS[task], pool=n))
     allowed = set(V.keys[:n].tolist()) | set(V.values[:n].tolist())
+    fillers = set(V.filler[:n].tolist())
+    structure = set(V.markers.values()) | {V.eos}
     for i in range(6):
         e = pooled.episode(i, train_stream(0, "s"))
         answers = e.tokens[e.far_targets]
         assert set(answers.tolist()) <= allowed
         keys_and_values = np.isin(e.tokens, np.concatenate((V.keys, V.values)))
         assert set(e.tokens[keys_and_values].tolist()) <= allowed
+        rest = set(e.tokens[~keys_and_values].tolist()) - structure
+        assert rest and rest <= fillers
     whole = SyntheticTask(PARAMS[task])
     assert pooled.describe()["pool"] == n and "pool" not in whole.describe()
     assert SyntheticTask(replace(PARAMS[task], pool=0)).fingerprint == whole.fingerprint != pooled.fingerprint

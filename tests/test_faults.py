@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, logged, read_metrics, run_train,
+from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, logged, rank_pid, read_metrics, run_train,
                       same_rows, start_fault_train, wait_for_train)
 
 N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
@@ -353,7 +353,7 @@ def test_a_dead_peer_rank_is_named_in_one_line(tmp_path, default_corpus):
                                       f"run.dir={d}", nproc=2),
                             cwd=ROOT, env=train_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_train(lambda: logged(d, 2), proc)
-    pid = _rank_pid(proc.pid, 1)
+    pid = rank_pid(proc.pid, 1)
     os.kill(pid, signal.SIGKILL)
     t0 = time.time()
     out, err = proc.communicate(timeout=120)
@@ -412,7 +412,7 @@ def test_a_hung_peer_rank_ends_the_run_within_the_timeout(tmp_path, default_corp
                                       "parallel.timeout_s=5", f"run.dir={d}", nproc=2),
                             cwd=ROOT, env=train_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_train(lambda: logged(d, 2), proc)
-    rank0, pid = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
+    rank0, pid = rank_pid(proc.pid, 0), rank_pid(proc.pid, 1)
     os.kill(pid, signal.SIGSTOP)
     t0 = time.time()
     while Path(f"/proc/{rank0}").exists() and time.time() - t0 < 120:  # rank 0 gives up on its own
@@ -444,12 +444,3 @@ def test_torchrun_restarts_resume_from_the_last_checkpoint(tmp_path, default_cor
     clean = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "clean")}
     restarted = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "restarted")}  # steps 5-6 logged again
     assert restarted == clean
-
-
-def _rank_pid(launcher: int, rank: int) -> int:
-    """The pid of the worker process of `rank` started by the torchrun process `launcher`."""
-    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
-        env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in env:
-            return int(child)
-    raise AssertionError(f"no worker of rank {rank} under pid {launcher}")

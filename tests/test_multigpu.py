@@ -7,7 +7,9 @@
   both tp ranks route the same tokens (`tests/multigpu_tp_worker.py`);
 - composed layouts (4 GPUs) through train.py: tp=2 x cp=2, tp=2 x dp=2 and cp=2 x dp=2 follow one GPU's losses
   over 20 steps on the same global batch, with LoGo thresholds bitwise equal on every rank;
-- a run saved on 4 GPUs resumes on 2 (and one saved on 2 resumes on 4) and continues the uninterrupted curve.
+- a run saved on 4 GPUs resumes on 2 (and one saved on 2 resumes on 4; 2 <-> 1 on a 2-GPU node) and continues the
+  uninterrupted curve;
+- a rank killed on NCCL: the other says so in one line and exits within seconds.
 """
 import json
 import shutil
@@ -17,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, run_train
+from conftest import ROOT, logged, rank_pid, read_metrics, run_train, train_cmd, train_env, wait_for_train
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.slow]
 
@@ -113,14 +115,40 @@ def test_composed_layouts_follow_one_gpu(one_gpu, tmp_path, layout):
     follows(read_metrics(tmp_path), one_gpu, range(1, STEPS + 1))
 
 
-@gpus(4)
-@pytest.mark.parametrize("first,then", [(4, 2), (2, 4)], ids=["4_to_2", "2_to_4"])
+@pytest.mark.parametrize("first,then", [pytest.param(4, 2, marks=gpus(4), id="4_to_2"),
+                                        pytest.param(2, 4, marks=gpus(4), id="2_to_4"),
+                                        pytest.param(2, 1, marks=gpus(2), id="2_to_1"),
+                                        pytest.param(1, 2, marks=gpus(2), id="1_to_2")])
 def test_resume_on_another_gpu_count(one_gpu, tmp_path, first, then):
     """Run on `first` GPUs (FSDP over all), its step-20 checkpoint removed as if preempted after step 10's save,
     resumed on `then` with the same global batch: steps 11-20 follow the one-GPU curve."""
     run_train(*RUN, f"run.dir={tmp_path}", nproc=first, timeout=900)
     shutil.rmtree(tmp_path / "checkpoints" / f"step_{STEPS:08d}")
-    n_rows = len(read_metrics(tmp_path))
     p = run_train(*RUN, f"run.dir={tmp_path}", nproc=then, timeout=900)
     assert "resumed from" in p.stdout + p.stderr
-    follows(read_metrics(tmp_path)[n_rows:], one_gpu, range(11, STEPS + 1))
+    # the resumed launch rewrote the rows after its checkpoint (step 10): steps 11-20 are its own
+    follows([r for r in read_metrics(tmp_path) if r.get("step", 0) > 10], one_gpu, range(11, STEPS + 1))
+
+
+@gpus(2)
+def test_a_killed_rank_ends_the_other_in_one_line(tmp_path):
+    """NCCL: rank 1 killed after step 2; rank 0, whose collectives wait on it (NCCL never fails them before its
+    timeout), names it in one line and exits 2 within seconds; torchrun's report follows."""
+    import os
+    import signal
+    import time
+    d = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(*[a for a in RUN if not a.startswith(("train.steps=", "checkpoint."))],
+                                      "train.steps=1000", "checkpoint.interval=1000", f"run.dir={d}", nproc=2), cwd=ROOT, env=train_env(2), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_train(lambda: logged(d, 2), proc, timeout=600)
+    pid = rank_pid(proc.pid, 1)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.time()
+    out, err = proc.communicate(timeout=300)
+    took = time.time() - t0
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0 and took < 60, (proc.returncode, took, err[-3000:])
+    assert errors == [f"error: rank 1 (pid {pid}) of this run died; rank 0 stops too; the last complete checkpoint "
+                      f"stays latest: re-run the same command to resume"], err[-3000:]
+    assert "train.py\", line" not in err
