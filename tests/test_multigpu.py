@@ -138,9 +138,9 @@ def test_a_killed_rank_ends_the_other_in_one_line(tmp_path):
     import signal
     import time
     d = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(*[a for a in RUN if not a.startswith(("train.steps=", "checkpoint."))],
-                                      "train.steps=1000", "checkpoint.interval=1000", f"run.dir={d}", nproc=2), cwd=ROOT, env=train_env(2), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    args = [a for a in RUN if not a.startswith(("train.steps=", "checkpoint."))]
+    proc = subprocess.Popen(train_cmd(*args, "train.steps=1000", "checkpoint.interval=1000", f"run.dir={d}", nproc=2),
+                            cwd=ROOT, env=train_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_train(lambda: logged(d, 2), proc, timeout=600)
     pid = rank_pid(proc.pid, 1)
     os.kill(pid, signal.SIGKILL)

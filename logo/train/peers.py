@@ -40,11 +40,21 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _me():
+    """This process's rank in the recorded peers ("?" before they are recorded)."""
+    return next((r for r, peer in enumerate(_PEERS) if peer == (socket.gethostname(), os.getpid())), "?")
+
+
+def _local_peers() -> list[tuple[int, int]]:
+    """(rank, pid) of the other ranks on this host."""
+    host, me = socket.gethostname(), os.getpid()
+    return [(r, pid) for r, (h, pid) in enumerate(_PEERS) if h == host and pid != me]
+
+
 def dead_peers(wait_s: float = 2.0) -> list[int]:
     """The ranks on this host whose process has ended, waiting up to `wait_s` for one to be seen gone (a killed
     process closes its connections a moment before it is dead)."""
-    host, me = socket.gethostname(), os.getpid()
-    local = [(r, pid) for r, (h, pid) in enumerate(_PEERS) if h == host and pid != me]
+    local = _local_peers()
     deadline = time.monotonic() + wait_s
     while True:
         dead = [r for r, pid in local if not _alive(pid)]
@@ -60,7 +70,7 @@ def lost_peer_message(error: BaseException) -> Optional[str]:
         return None
     dead = dead_peers()
     remote = re.search(r"Connection (?:closed|reset) by peer \[([^\]]+)\]", str(error))  # gloo's words
-    me = next((r for r, peer in enumerate(_PEERS) if peer == (socket.gethostname(), os.getpid())), "?")
+    me = _me()
     if dead:
         return _died(dead, me)
     if remote:  # on another host: its process cannot be looked at from here
@@ -76,13 +86,11 @@ def _died(dead: list[int], me) -> str:
     return f"{who} of this run died; rank {me} stops too; {RESUME}"
 
 
-def report_lost_peer(line: str) -> bool:
-    """Print `error: line` to stderr unless this process already reported a lost peer; True if it printed."""
-    if not _REPORTED.acquire(blocking=False):
-        return False
-    sys.stderr.flush()
-    os.write(2, f"error: {line}\n".encode())
-    return True
+def report_lost_peer(line: str) -> None:
+    """Print `error: line` to stderr unless this process already reported a lost peer."""
+    if _REPORTED.acquire(blocking=False):
+        sys.stderr.flush()
+        os.write(2, f"error: {line}\n".encode())
 
 
 class PeerWatch:
@@ -101,8 +109,7 @@ class PeerWatch:
 
     def arm(self) -> PeerWatch:
         """Start watching (nothing to watch in a single-process run, or without other ranks on this host)."""
-        host, me = socket.gethostname(), os.getpid()
-        if any(h == host and pid != me for h, pid in _PEERS):
+        if _local_peers():
             self._armed.set()
             self._thread = threading.Thread(target=self._watch, name="logo-peer-watch", daemon=True)
             self._thread.start()
@@ -121,7 +128,6 @@ class PeerWatch:
             elif since is None:
                 since = time.monotonic()
             elif time.monotonic() - since >= self.grace_s and self._armed.is_set():
-                me = next((r for r, peer in enumerate(_PEERS) if peer == (socket.gethostname(), os.getpid())), "?")
-                report_lost_peer(_died(dead, me))
+                report_lost_peer(_died(dead, _me()))
                 os._exit(2)
             time.sleep(self.POLL_S)

@@ -586,7 +586,7 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
             peer_watch.disarm()
         if error is None:
             stop.close()
-        _close_checkpointer(ckpt, failing=sys.exc_info()[0] is not None)
+        _close_checkpointer(ckpt, failing=error is not None)
         gc.enable()
         b.loader.close()
         if bar is not None:
