@@ -1,7 +1,7 @@
 """Background preparation of the next steps' batches for a `TokenLoader`.
 
 `StepLoader(loader, prefetch=True)` builds global batches b, b+1, ... (reading the memory-mapped shards,
-document offsets, the trainer's per-micro-batch preparation, pinned copies when CUDA) on one background thread, at most `depth` steps ahead, while the
+document offsets, pinned copies when CUDA) on one background thread, at most `depth` steps ahead, while the
 main thread trains. The main thread takes them in order; the loader's position (`batches_consumed`, what
 `state_dict()` saves) moves only when a step is taken, never when it is prepared, so a checkpoint resumes
 exactly where the consumed data ended. With `prefetch=False` the same batches are built inline.
@@ -12,26 +12,23 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from data.loader import Batch, StepData, TokenLoader
+from data.loader import StepData, TokenLoader
 
 
 class StepLoader:
     """Yields `StepData` in order; the same batches with or without the background thread."""
 
     def __init__(self, loader: TokenLoader, prefetch: bool = True, pin_memory: bool = False,
-                 device: Optional[torch.device] = None, depth: int = 2, doc_buckets: bool = False,
-                 prepare: Optional[Callable[[Batch], Any]] = None):
+                 device: Optional[torch.device] = None, depth: int = 2, doc_buckets: bool = False):
         """doc_buckets: pad every micro-batch's document offsets to a bucketed length (`bucket_doc_offsets`;
-        for CUDA graphs, which record one graph per input shape). prepare: applied to every micro-batch on the
-        thread, before pinning (e.g. context parallelism's sharding); its result must have `pin_memory()`."""
+        for CUDA graphs, which record one graph per input shape)."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        self.doc_buckets, self.prepare = doc_buckets, prepare
+        self.doc_buckets = doc_buckets
         if device is not None and device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU, seen from the main thread
         self.loader, self.prefetch, self.pin, self.device, self.depth = loader, prefetch, pin_memory, device, depth
@@ -43,8 +40,6 @@ class StepLoader:
         data = self.loader.step_data(b)
         if self.doc_buckets:
             data = StepData([mb.with_bucketed_offsets() for mb in data.micro_batches], data.target_tokens)
-        if self.prepare is not None:
-            data = StepData([self.prepare(mb) for mb in data.micro_batches], data.target_tokens)
         if self.pin:
             data = StepData([mb.pin_memory() for mb in data.micro_batches], data.target_tokens)
         return data

@@ -109,50 +109,6 @@ def test_loader_errors_reach_the_main_thread(tmp_path):
     assert loader.batches_consumed == 0 and pre._thread is None
 
 
-def test_prepare_runs_on_the_thread(prepared):
-    """`prepare` (the trainer's per-micro-batch work, e.g. context parallelism's sharding) runs on the loader's
-    thread for every micro-batch, and the steps hold its results in order."""
-    import threading
-    out, _ = prepared
-    sync, inner = loaders(out)
-    threads = []
-
-    def prepare(mb):
-        threads.append(threading.current_thread().name)
-        return mb.with_bucketed_offsets()
-
-    pre = StepLoader(inner, prefetch=True, depth=2, prepare=prepare)
-    try:
-        for _ in range(3):
-            want = sync.next_step()
-            got = pre.next_step().micro_batches
-            same_batches(got, [mb.with_bucketed_offsets() for mb in want])
-    finally:
-        pre.close()
-    assert threads and set(threads) == {"logo-prefetch"}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pinned_context_parallel_shards_on_cuda(prepared):
-    """Under context parallelism the loader's thread shards and pins each micro-batch: every piece the step
-    copies to the GPU (local rows, positions, layout) is pinned, so the copies do not wait for the GPU."""
-    from functools import partial
-    from logo.parallel.cp import CPShard, shard_batch
-    out, _ = prepared
-    _, inner = loaders(out)
-    pre = StepLoader(inner, prefetch=True, pin_memory=True, device=torch.device("cuda"),
-                     prepare=partial(shard_batch, cp=2, rank=1, window=4))
-    try:
-        got = pre.next_step().micro_batches
-    finally:
-        pre.close()
-    assert all(isinstance(s, CPShard) for s in got)
-    pieces = [t for s in got for t in (s.batch.inputs, s.batch.labels, s.batch.valid, s.positions,
-                                       *s.layout._tensors())]
-    assert pieces and all(t.is_pinned() for t in pieces)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_batches_on_cuda(prepared):

@@ -69,9 +69,8 @@ def _worker(rank, port, out_dir, layout, kind, compiled, bf16=False):
             grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # the head is not tp-split
                      for n, p in model.named_parameters()}
         else:
-            shard = shard_batch(mb, cp, rank, window=4)
-            local, positions = shard.batch, shard.positions
-            with context_parallel(model, shard.layout):
+            local, positions, lay = shard_batch(mb, cp, rank, window=4)
+            with context_parallel(model, lay):
                 out = model(local.inputs, cu_seqlens=local.cu_seqlens, positions=positions)
                 loss = loss_sum(out, local.labels)
                 loss.backward()

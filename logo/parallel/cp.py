@@ -66,38 +66,16 @@ class CPLayout:
     scatter_index: torch.Tensor  # (B*T,) int64: its inverse (row j of that concatenation is global row scatter_index[j])
     cu_halo: torch.Tensor  # (.,) int32 offsets over the (B, 2, window-1+c) [halo, chunk] rows
 
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.cu_global, self.piece_doc, self.piece_offset, self.piece_pos, self.gather_index,
-                self.scatter_index, self.cu_halo)
-
     def to(self, device) -> CPLayout:
         return CPLayout(self.cp, self.rows, self.chunk, self.window,
-                        *(t.to(device, non_blocking=True) for t in self._tensors()))
-
-    def pin_memory(self) -> CPLayout:
-        return CPLayout(self.cp, self.rows, self.chunk, self.window, *(t.pin_memory() for t in self._tensors()))
-
-
-@dataclass
-class CPShard:
-    """This rank's share of one micro-batch: the local rows (B, T/cp), their rotary positions (T/cp,) and the
-    layout. Built on the host, ideally on the data loader's thread (`StepLoader(prepare=...)`) and pinned there:
-    a copy to the GPU from pageable memory waits for the GPU's queued work, which would stall every micro-batch."""
-
-    batch: Batch
-    positions: torch.Tensor
-    layout: CPLayout
-
-    def pin_memory(self) -> CPShard:
-        return CPShard(self.batch.pin_memory(), self.positions.pin_memory(), self.layout.pin_memory())
-
-    def to(self, device) -> CPShard:
-        return CPShard(self.batch.to(device), self.positions.to(device, non_blocking=True), self.layout.to(device))
+                        *(t.to(device, non_blocking=True) for t in (self.cu_global, self.piece_doc, self.piece_offset,
+                                                                    self.piece_pos, self.gather_index,
+                                                                    self.scatter_index, self.cu_halo)))
 
 
-def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> CPShard:
-    """This rank's share of a (B, T) micro-batch (on the host). `window`: the sliding window of the model's local
-    attention (1 when it has none)."""
+def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torch.Tensor, CPLayout]:
+    """This rank's share of a (B, T) micro-batch (on the host) -> (local batch (B, T/cp), positions (T/cp,),
+    layout). `window`: the sliding window of the model's local attention (1 when it has none)."""
     B, T = mb.inputs.shape
     c = T // (2 * cp)
     cols = local_columns(T, cp, rank)
@@ -131,7 +109,7 @@ def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> CPShard:
     layout = CPLayout(cp, B, c, window, cu_g.to(torch.int32), torch.cat(docs), torch.cat(offsets).to(torch.int32),
                       positions_in_sequence(cu_local, n_local), gather, scatter,
                       torch.tensor(halo_cuts, dtype=torch.int32))
-    return CPShard(local, cols, layout)
+    return local, cols, layout
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -23,7 +23,7 @@ from data.loader import Batch, StepData
 from logo.model.layers import check_cu_seqlens
 from logo.model.lm_head import fused_lm_loss_sum, lm_loss_sum
 from logo.parallel import sync_after
-from logo.parallel.cp import CPShard, context_parallel, shard_batch
+from logo.parallel.cp import context_parallel, shard_batch
 
 
 class TrainingDiverged(RuntimeError):
@@ -73,16 +73,13 @@ def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def prepare_micro_batch(mb: Batch, dims=None, window: int = 1) -> Batch | CPShard:
-    """A host micro-batch made ready for its copy to the device: document offsets checked (the model reads none
-    on a GPU); with context parallelism (cp > 1), this rank's share of it (`CPShard`). The trainer runs it on the
-    loader's thread (`StepLoader(prepare=...)`), which then pins the result; `train_step` runs it for
-    micro-batches that come unprepared."""
-    if mb.cu_seqlens is not None and mb.cu_seqlens.device.type == "cpu":
-        check_cu_seqlens(mb.cu_seqlens, *mb.inputs.shape)
+def _context_parallel(model, cpu_mb: Batch, dims, window: int, device: torch.device):
+    """(this rank's share of the micro-batch, its rotary positions, the context manager of its forward and
+    backward); the micro-batch itself, None and a no-op when there is no context parallelism."""
     if dims is None or dims.cp == 1:
-        return mb
-    return shard_batch(mb, dims.cp, dims.rank("cp"), window)
+        return cpu_mb, None, nullcontext()
+    local, positions, layout = shard_batch(cpu_mb, dims.cp, dims.rank("cp"), window)
+    return local, positions.to(device), context_parallel(model, layout.to(device))
 
 
 def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, autocast, ctrl, grad_clip: float,
@@ -105,14 +102,12 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
     dp = ranks if data_parallel else 1
     n_micro = len(micro) * ranks
     loss_sum = torch.zeros((), device=device)
-    for i, mb in enumerate(micro):
-        if not isinstance(mb, CPShard):  # not prepared on the loader's thread
-            mb = prepare_micro_batch(mb, dims, window)
+    for i, cpu_mb in enumerate(micro):
+        if cpu_mb.cu_seqlens is not None and cpu_mb.cu_seqlens.device.type == "cpu":
+            check_cu_seqlens(cpu_mb.cu_seqlens, *cpu_mb.inputs.shape)  # on the host: the model reads none on a GPU
+        cpu_mb, positions, cp_ctx = _context_parallel(model, cpu_mb, dims, window, device)
         with phase("h2d"):
-            mb = mb.to(device)  # non-blocking; a true async copy from the loader's pinned memory
-        positions, cp_ctx = None, nullcontext()
-        if isinstance(mb, CPShard):  # forward and backward run context-parallel over its layout
-            positions, cp_ctx, mb = mb.positions, context_parallel(model, mb.layout), mb.batch
+            mb = cpu_mb.to(device)  # non-blocking; a true async copy from the loader's pinned memory
         if data_parallel:
             sync_after(model, last=i == len(micro) - 1)
         with cp_ctx:  # forward and backward (activation checkpointing recomputes the forward in backward)

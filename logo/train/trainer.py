@@ -53,7 +53,7 @@ from logo.train.plan import Plan, make_plan, planned_run_dir
 from logo.train.rundir import RunDirLocked, RunLock, check_prior_run, config_drift
 from logo.train.state import TrainState
 from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
-                             prepare_micro_batch, read_back, spread, train_step)
+                             read_back, spread, train_step)
 
 log = logging.getLogger("logo")
 COMM_TRACES = "comm_traces"  # the NCCL flight recorder's dumps, in the run directory
@@ -166,11 +166,9 @@ def _build_data(cfg: Config, plan: Plan, rank: int, world: int, device: torch.de
                 dims: ParallelDims) -> StepLoader:
     loader = build_loader(cfg, plan.seq_len, plan.global_batch, plan.micro_batch, rank, world, dims.data_rank,
                           dims.dp)
-    # CUDA graphs record one graph per input shape: document offsets in power-of-two buckets, not one per count.
-    # Context parallelism shards each micro-batch on the loader's thread, so its pieces are pinned before the copy.
-    prepare = partial(prepare_micro_batch, dims=dims, window=cfg.model.attention.window) if dims.cp > 1 else None
+    # CUDA graphs record one graph per input shape: document offsets in power-of-two buckets, not one per count
     return StepLoader(loader, prefetch=cfg.data.prefetch, pin_memory=device.type == "cuda", device=device,
-                      doc_buckets=cfg.train.cuda_graphs, prepare=prepare)
+                      doc_buckets=cfg.train.cuda_graphs)
 
 
 def lr_factor(step: int, plan: Plan) -> float:
