@@ -150,6 +150,12 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
     if per_rank % micro:
         raise ConfigError(f"invalid config train.micro_batch={t.micro_batch}: each of the {dims.dp} data shards gets "
                           f"{per_rank} sequences per step, which is not a multiple of it")
+    if t.cuda_graphs and per_rank > micro:
+        raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with train.micro_batch={t.micro_batch}: "
+                          f"{per_rank // micro} micro-batches per step, and CUDA graphs of the blocks do not run with "
+                          f"gradient accumulation (the backward finds a saved activation overwritten by a later "
+                          f"replay); set train.micro_batch={per_rank} (the whole per-rank batch) or use "
+                          f"train.compile_mode=default")
     steps = t.steps if t.steps > 0 else max(1, math.ceil(tokens / s.global_batch_tokens))
     if t.steps > 0:
         tokens = steps * s.global_batch_tokens
