@@ -153,8 +153,8 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
     if t.cuda_graphs and per_rank > micro:
         raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with train.micro_batch={t.micro_batch}: "
                           f"{per_rank // micro} micro-batches per step, and CUDA graphs of the blocks do not run with "
-                          f"gradient accumulation (the backward finds a saved activation overwritten by a later "
-                          f"replay); set train.micro_batch={per_rank} (the whole per-rank batch) or use "
+                          f"gradient accumulation (torch fails in the backward: a graph's output was overwritten by a "
+                          f"later replay); set train.micro_batch={per_rank} (the whole per-rank batch) or use "
                           f"train.compile_mode=default")
     steps = t.steps if t.steps > 0 else max(1, math.ceil(tokens / s.global_batch_tokens))
     if t.steps > 0:
