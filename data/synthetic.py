@@ -68,7 +68,7 @@ class SyntheticParams:
     distractors: int = 8  # needle_retrieval: decoys
     value_len: int = 4  # needle_retrieval: tokens of a needle's value
     span: int = 32  # far_copy: tokens copied
-    pool: int = 0  # words in each of the key, value and filler pools the episodes draw from; 0: the tokenizer's whole pools
+    pool: int = 0  # words in each of the key, value and filler pools the episodes draw from; 0: the whole pools
 
     def relevant(self) -> dict:
         """The parameters this task reads."""

@@ -12,9 +12,12 @@
 - a rank killed on NCCL: the other says so in one line and exits within seconds.
 """
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -134,9 +137,6 @@ def test_resume_on_another_gpu_count(one_gpu, tmp_path, first, then):
 def test_a_killed_rank_ends_the_other_in_one_line(tmp_path):
     """NCCL: rank 1 killed after step 2; rank 0, whose collectives wait on it (NCCL never fails them before its
     timeout), names it in one line and exits 2 within seconds; torchrun's report follows."""
-    import os
-    import signal
-    import time
     d = tmp_path / "run"
     args = [a for a in RUN if not a.startswith(("train.steps=", "checkpoint."))]
     proc = subprocess.Popen(train_cmd(*args, "train.steps=1000", "checkpoint.interval=1000", f"run.dir={d}", nproc=2),

@@ -89,7 +89,7 @@ class SourceConfig:
     distractors: int = 8  # needle_retrieval: decoy needles (half of them repeat a needle's key)
     value_len: int = 4  # needle_retrieval: tokens of a needle's value
     span: int = 32  # far_copy: tokens copied
-    pool: int = 0  # every task: words in each of the key, value and filler pools it draws from; 0: the tokenizer's whole pools
+    pool: int = 0  # every task: words in each of the key, value and filler pools it draws from; 0: the whole pools
 
 
 def synthetic_params(src: SourceConfig, seq_len: int, window: int, n_layers: int) -> SyntheticParams:
