@@ -66,8 +66,6 @@ def test_rho_one_is_allowed():
     (["train.nonexistent=3"], "Could not override 'train.nonexistent'"),
     (["stage.seq_len=abc"], "stage.seq_len"),
     (["model.dim=100"], "invalid config model.dim=100: with model.n_heads=4 each head has 25 channels"),
-    (["train.compile=true", "train.compile_mode=reduce-overhead", "train.micro_batch=1"],
-     "invalid config train.compile_mode='reduce-overhead' with train.micro_batch=1: 4 micro-batches per step"),
 ])
 def test_cli_prints_one_clear_error(overrides, needle, tmp_path):
     """Hydra's unknown options and keys too: one `error:` line, exit code 2, no traceback."""

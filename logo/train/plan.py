@@ -150,12 +150,6 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
     if per_rank % micro:
         raise ConfigError(f"invalid config train.micro_batch={t.micro_batch}: each of the {dims.dp} data shards gets "
                           f"{per_rank} sequences per step, which is not a multiple of it")
-    if t.cuda_graphs and per_rank > micro:
-        raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with "
-                          f"train.micro_batch={t.micro_batch}: {per_rank // micro} micro-batches per step, and CUDA "
-                          f"graphs of the blocks do not run with gradient accumulation (torch fails in the backward: "
-                          f"a graph's output was overwritten by a later replay); set train.micro_batch={per_rank} "
-                          f"(the whole per-rank batch) or use train.compile_mode=default")
     steps = t.steps if t.steps > 0 else max(1, math.ceil(tokens / s.global_batch_tokens))
     if t.steps > 0:
         tokens = steps * s.global_batch_tokens

@@ -55,8 +55,6 @@ def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast, loss_impl: str
     output). The one place the loss is computed: the model's LM head takes the labels and returns the summed
     loss (`loss_impl`: auto | liger | chunked | plain, see logo/model/lm_head.py), so the (T, vocab) logits
     are never materialised unless loss_impl is plain."""
-    if mb.inputs.is_cuda:  # a new iteration for CUDA-graphed blocks (train.compile_mode=reduce-overhead); else a no-op
-        torch.compiler.cudagraph_mark_step_begin()
     with autocast:
         if loss_impl == "plain":  # logits out of the model (what a vocab-split tensor-parallel head gives too)
             out = model(mb.inputs, cu_seqlens=mb.cu_seqlens, valid=mb.valid, positions=positions)
@@ -102,6 +100,11 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
     dp = ranks if data_parallel else 1
     n_micro = len(micro) * ranks
     loss_sum = torch.zeros((), device=device)
+    if device.type == "cuda":
+        # One iteration of CUDA-graphed blocks (train.compile_mode=reduce-overhead; else a no-op) per optimizer step,
+        # not per micro-batch: autograd keeps the first micro-batch's parameter gradients as the graphs' own output
+        # buffers (.grad), which a replay in a new iteration would overwrite before the next micro-batch adds to them.
+        torch.compiler.cudagraph_mark_step_begin()
     for i, cpu_mb in enumerate(micro):
         if cpu_mb.cu_seqlens is not None and cpu_mb.cu_seqlens.device.type == "cpu":
             check_cu_seqlens(cpu_mb.cu_seqlens, *cpu_mb.inputs.shape)  # on the host: the model reads none on a GPU
