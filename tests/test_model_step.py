@@ -68,6 +68,29 @@ def test_mfu_uses_realized_logo_ratios():
     assert mfu(logo, T, 10**9, 1000.0, 1e15, realized_ratios(metrics)) == pytest.approx(fpt * 1000.0 / 1e15)
 
 
+def test_attention_flops_count_only_within_documents():
+    """Packed documents: each token attends within its own document, so the FLOPs follow the documents' lengths
+    (brute force over positions), and one document of the whole length gives the nominal figure."""
+    T, w = 4096, 128
+    full = model_config("1.5b", attention=AttentionConfig(kind="full"))
+    local = model_config("1.5b", attention=AttentionConfig(kind="local", window=w))
+    logo = model_config("1.5b", attention=AttentionConfig(kind="logo", rho=0.5, window=w))
+    for cfg in (full, local, logo):
+        assert attention_flops_per_token(cfg, T, doc_lengths=[T]) == pytest.approx(attention_flops_per_token(cfg, T))
+    docs = [3000, 1000, 90, 6, 0]  # an empty document (padded offsets) counts nothing
+    per_pair = 4 * full.n_heads * full.head_dim * full.n_layers
+    keys = sum(t for n in docs for t in range(1, n + 1)) / sum(docs)
+    assert attention_flops_per_token(full, T, doc_lengths=docs) == pytest.approx(per_pair * keys)
+    keys_local = sum(min(t, w) for n in docs for t in range(1, n + 1)) / sum(docs)
+    assert attention_flops_per_token(local, T, doc_lengths=docs) == pytest.approx(per_pair * keys_local)
+    assert attention_flops_per_token(logo, T, doc_lengths=docs) == pytest.approx(per_pair * (keys_local + keys / 2))
+    short = [512] * (131072 // 512)  # 128k of short documents: a small fraction of one 128k document's work
+    assert attention_flops_per_token(full, 131072, doc_lengths=short) < attention_flops_per_token(full, 131072) / 200
+    assert train_flops_per_token(full, T, 10**9, doc_lengths=docs) < train_flops_per_token(full, T, 10**9)
+    assert mfu(full, T, 10**9, 1000.0, 1e15, doc_lengths=docs) == pytest.approx(
+        train_flops_per_token(full, T, 10**9, doc_lengths=docs) * 1000.0 / 1e15)
+
+
 def test_set_overrides_reach_every_run_config():
     """--set KEY=VALUE is appended to each run's train.py overrides (after the kind's own)."""
     from logo.run.config import compose
@@ -162,3 +185,20 @@ def test_idle_gaps_split_by_when_the_host_issued_the_next_kernel():
     assert out["gpu_idle_host_bound_ms_per_step"] == pytest.approx(17 / 1e3)
     got = {(g["before"], g["after"]): g["host_bound_ms"] for g in out["idle_gaps"]}
     assert got == {("a", "b"): 0.003, ("b", "c"): 0.0, ("c", "d"): 0.014}
+
+
+def test_trainer_mfu_reads_the_documents_of_each_micro_batch():
+    """The trainer's log keeps each micro-batch's document lengths (rows without offsets: one document per row)
+    for MFU's attention FLOPs."""
+    import torch
+
+    from data.loader import Batch, StepData
+    from logo.train.trainer import _StepLog
+
+    def batch(rows, seq, cu=None):
+        x = torch.zeros(rows, seq, dtype=torch.long)
+        return Batch(x, x, None if cu is None else torch.tensor(cu, dtype=torch.int32), x > -1)
+
+    log = _StepLog(*[None] * 9)
+    log.add_documents(StepData([batch(2, 8, [0, 5, 8, 16]), batch(3, 4)], 40))
+    assert [d.tolist() for d in log.documents] == [[5, 3, 8], [4, 4, 4]]

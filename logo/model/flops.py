@@ -4,7 +4,8 @@ Conventions:
 - `params_non_embedding` excludes the input embedding and the output (LM-head) matrix.
 - `attention_flops_per_token(cfg, T)`: forward FLOPs of the attention *score and value* products
   (QK^T and PV: 4 * H * D per query-key pair) per token, averaged over positions 1..T of a full-length
-  sequence and summed over layers. Local: min(t, w) keys; global: t keys; LoGo: local for every token plus
+  sequence and summed over layers; with `doc_lengths`, over the positions of those documents instead (attention
+  stays inside a document: packed short documents cost far less than one document of the whole length). Local: min(t, w) keys; global: t keys; LoGo: local for every token plus
   rho of the tokens global (the target budget, or the realized ratio per layer when `ratios` is given);
   intra-layer: per-head mix. Projections (including LoGo's transforms and gate) are parameters and so are
   counted by 6 * N in `train_flops_per_token`.
@@ -12,8 +13,10 @@ Conventions:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
+import numpy as np
 import torch.nn as nn
 
 from logo.config import ModelConfig
@@ -34,6 +37,18 @@ def _mean_keys_local(T: int, w: int) -> float:
     if T <= w:
         return _mean_keys_global(T)
     return (w * (w + 1) / 2.0 + (T - w) * w) / T
+
+
+def _mean_keys(seq_len: int, window: int, doc_lengths: Optional[Sequence[int]]) -> tuple[float, float]:
+    """Keys per query, averaged over tokens: (global, local within `window`) for one document of seq_len
+    tokens, or over the tokens of the documents `doc_lengths` (each token sees only its own document)."""
+    if doc_lengths is None:
+        return _mean_keys_global(seq_len), _mean_keys_local(seq_len, window)
+    n = np.asarray(doc_lengths, dtype=np.float64)
+    tokens = max(float(n.sum()), 1.0)
+    m = np.minimum(n, window)  # positions 1..m see t keys, the rest `window`
+    local = (m * (m + 1) / 2 + (n - m) * window).sum()
+    return float((n * (n + 1) / 2).sum() / tokens), float(local / tokens)
 
 
 def layer_global_fractions(cfg: ModelConfig, ratios: Optional[dict[int, float]] = None) -> list[float]:
@@ -70,11 +85,13 @@ def attention_budget(cfg: ModelConfig) -> float:
     return sum(f) / len(f)
 
 
-def attention_flops_per_token(cfg: ModelConfig, seq_len: int, ratios: Optional[dict[int, float]] = None) -> float:
-    """Forward attention (score + value) FLOPs per token, summed over layers (ratios: see layer_global_fractions)."""
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, ratios: Optional[dict[int, float]] = None,
+                              doc_lengths: Optional[Sequence[int]] = None) -> float:
+    """Forward attention (score + value) FLOPs per token, summed over layers (ratios: see layer_global_fractions;
+    doc_lengths: the documents the tokens belong to, else one document of seq_len)."""
     a = cfg.attention
     per_pair = 4 * cfg.n_heads * cfg.head_dim
-    g, loc = _mean_keys_global(seq_len), _mean_keys_local(seq_len, a.window)
+    g, loc = _mean_keys(seq_len, a.window, doc_lengths)
     total = 0.0
     for kind, f in zip(a.layer_kinds(cfg.n_layers), layer_global_fractions(cfg, ratios)):
         if kind == "logo":
@@ -85,10 +102,12 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, ratios: Optional[d
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, params_non_embedding: int,
-                          ratios: Optional[dict[int, float]] = None) -> float:
+                          ratios: Optional[dict[int, float]] = None,
+                          doc_lengths: Optional[Sequence[int]] = None) -> float:
     """Forward+backward FLOPs per token: 6 * (non-embedding params + LM head) + 3 * attention forward."""
     lm_head = cfg.padded_vocab_size * cfg.dim
-    return 6.0 * (params_non_embedding + lm_head) + 3.0 * attention_flops_per_token(cfg, seq_len, ratios)
+    return 6.0 * (params_non_embedding + lm_head) + 3.0 * attention_flops_per_token(cfg, seq_len, ratios,
+                                                                                    doc_lengths)
 
 
 def realized_ratios(metrics: dict) -> dict[int, float]:
@@ -97,10 +116,11 @@ def realized_ratios(metrics: dict) -> dict[int, float]:
 
 
 def mfu(cfg: ModelConfig, seq_len: int, params_non_embedding: int, tokens_per_s: float, peak_flops: float,
-        ratios: Optional[dict[int, float]] = None) -> float:
+        ratios: Optional[dict[int, float]] = None, doc_lengths: Optional[Sequence[int]] = None) -> float:
     """Model FLOPs utilization: train_flops_per_token (attention by kind: window for local, realized ratio
-    for LoGo layers when `ratios` is given) x tokens/s over `peak_flops` (bf16 dense peak of all GPUs used)."""
-    return train_flops_per_token(cfg, seq_len, params_non_embedding, ratios) * tokens_per_s / peak_flops
+    for LoGo layers when `ratios` is given, over the documents `doc_lengths` when given) x tokens/s over
+    `peak_flops` (bf16 dense peak of all GPUs used)."""
+    return train_flops_per_token(cfg, seq_len, params_non_embedding, ratios, doc_lengths) * tokens_per_s / peak_flops
 
 
 def peak_bf16_flops(device_name: str) -> float:

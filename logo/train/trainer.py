@@ -18,12 +18,13 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -31,6 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from data.format import atomic_write_json
+from data.loader import StepData
 from data.prefetch import StepLoader
 from logo.config import ConfigError
 from logo.model import BudgetController, Transformer
@@ -360,6 +362,17 @@ class _StepLog:
     metrics_log: Optional[MetricsLogger]  # rank 0
     bar: object  # tqdm bar or None
     data_metrics: object = dict  # () -> the data's own metrics (a mixture's data/tokens/<source>)
+    documents: list = field(default_factory=list)  # this rank's document lengths since the last record
+
+    def add_documents(self, data: StepData) -> None:
+        """Note the lengths of the documents of this rank's micro-batches (host tensors: no sync), which MFU's
+        attention FLOPs count over (each token sees only its own document)."""
+        for mb in data.micro_batches:
+            rows, seq = mb.inputs.shape
+            if mb.cu_seqlens is None:
+                self.documents.append(np.full(rows, seq))
+            elif mb.cu_seqlens.device.type == "cpu":
+                self.documents.append(np.diff(mb.cu_seqlens.numpy()))
 
     def record(self, step: int, loss: float, grad_norm: float, lr: float, durations: list, evaluated: dict,
                saves: list) -> dict:
@@ -370,9 +383,11 @@ class _StepLog:
              "tokens": step * plan.global_batch_tokens, **spread(durations)}
         m["memory_gib"] = _peak_memory_gib(self.device, self.host_group)
         m.update(self.ctrl.metrics())
-        if self.peak:  # attention FLOPs with the LoGo layers' realized global ratios of the last step
+        docs = np.concatenate(self.documents) if self.documents else None
+        self.documents.clear()
+        if self.peak:  # attention FLOPs over this rank's documents, the LoGo layers at the last step's ratios
             m["mfu"] = mfu(self.model_cfg, plan.seq_len, plan.params_non_embedding, m["tokens_per_s"],
-                           self.peak * self.world, realized_ratios(m))
+                           self.peak * self.world, realized_ratios(m), docs)
         m.update(evaluated)  # held-out loss when it was due at this step
         m.update(self.data_metrics())  # a mixture's tokens per source
         if saves:  # the latest save finished since the last logged step (each one is also on the console)
@@ -522,6 +537,7 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
         while state.step < plan.steps:
             with phase("data"):
                 data = b.loader.next_step()
+            step_log.add_documents(data)
             out = train_step(b.model, data, device=device, autocast=b.autocast, ctrl=b.ctrl,
                              grad_clip=cfg.train.grad_clip, data_parallel=b.data_parallel, dims=b.dims,
                              window=cfg.model.attention.window, loss_impl=loss_impl)
