@@ -4,7 +4,7 @@
                                                            [--seq 2048 --global-batch 64 --micro 8 --window 128 --layers 4]
 Part 1: `SyntheticTask.episode` for each task and episode length (the tasks' default parameters, gap 1.0 x
 window x layers). Part 2: `MixLoader.next_step()` over conf/data/mix_long_range.yaml's sources (the embedded
-corpus, built on first use, and the three tasks at one episode per sequence), tensors and document offsets built.
+corpus, built on first use, and the synthetic tasks at one episode per sequence), tensors and document offsets built.
 """
 import argparse
 import math

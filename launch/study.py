@@ -42,9 +42,11 @@ SIZES = {
     "tiny": ["model=tiny", "attention.window=16", "train.compile=false", "stage.name=mini_tiny", "stage.seq_len=256",
              "stage.tokens=0", "stage.global_batch_tokens=512", "train.steps=2", "train.micro_batch=2", "checkpoint.interval=2",
              "eval.interval=0", "logging.interval=1", "logging.ratio_window=0", "logging.heatmap_interval=1000",
-             # the synthetic sources' episodes fit 256 tokens (mix_long_range's sources 1-3: recall, needles, copy)
-             "data.sources.1.pairs=8", "data.sources.1.queries=8", "data.sources.2.needles=2",
-             "data.sources.2.distractors=2", "data.sources.3.span=16"],
+             # the synthetic sources' episodes fit 256 tokens (mix_long_range's sources 1-5: the near copy and
+             # recall, 256-token episodes already; recall, needles, copy)
+             "data.sources.1.span=16", "data.sources.2.pairs=4", "data.sources.2.queries=4",
+             "data.sources.3.pairs=8", "data.sources.3.queries=8", "data.sources.4.needles=2",
+             "data.sources.4.distractors=2", "data.sources.5.span=16"],
 }
 STOP_GRACE_S = 60  # after SIGTERM, how long a step may take to save and exit before it is killed
 

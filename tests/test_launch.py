@@ -115,7 +115,7 @@ def test_the_mini_family_is_one_array_of_single_gpu_runs_per_seed(sweep, tmp_pat
         assert opt in calls[0].split()
     assert calls[0].endswith("--nproc-per-node 1")
     arms = ("inter_layer", "intra_layer", "logo", "transformer")
-    assert sorted(ln[3] for ln in lines) == [f"{tmp_path}/runs/mini-{a}-mini_4k-seed{s}" for a in arms for s in (0, 1)]
+    assert sorted(ln[3] for ln in lines) == [f"{tmp_path}/runs/mini-{a}-mini_2k-seed{s}" for a in arms for s in (0, 1)]
     assert sorted(args[0] for args in task_list(calls[0]).values()) == sorted(f"experiment=mini/{a}" for a in arms
                                                                                for _ in (0, 1))
 

@@ -118,9 +118,10 @@ def test_a_run_is_evaluated_on_its_corpus_its_synthetic_sources_and_ruler_at_its
         cfg = to_dataclass(compose("config", overrides=["experiment=mini/logo"]))
         tiny = to_dataclass(compose("config", overrides=["experiment=mini/logo", *study.SIZES["tiny"]]))
     cmds = study_eval.eval_commands("R", cfg, "mini")
-    assert [c[0] for c in cmds] == ["perplexity", "synthetic", "synthetic", "synthetic", "ruler"]
-    assert [c[c.index("--source") + 1] for c in cmds[1:4]] == ["recall", "needles", "copy"]
-    assert cmds[-1][cmds[-1].index("--lengths") + 1] == "2048,4096"
+    assert [c[0] for c in cmds] == ["perplexity", *["synthetic"] * 5, "ruler"]
+    assert [c[c.index("--source") + 1] for c in cmds[1:6]] == ["copy_near", "recall_near", "recall", "needles",
+                                                                "copy"]
+    assert cmds[-1][cmds[-1].index("--lengths") + 1] == "1024,2048"
     assert all(c[1] == "R" and "--no-progress" in c for c in cmds)
     assert study_eval.eval_commands("R", tiny, "tiny")[-1][3] == "256"
 
@@ -161,8 +162,8 @@ def test_the_tiny_study_trains_evaluates_and_reports_every_arm(tmp_path, capsys)
         cfg = json.loads((run / "plan.json").read_text())
         assert cfg["steps"] == 2
         evals = sorted(f.name for f in (run / "eval").glob("*.json"))
-        assert evals == ["perplexity.json", "ruler.json", "synthetic_associative_recall.json",
-                         "synthetic_far_copy.json", "synthetic_needle_retrieval.json"], evals
+        assert evals == ["perplexity.json", "ruler.json", "synthetic_copy.json", "synthetic_copy_near.json",
+                         "synthetic_needle_retrieval.json", "synthetic_recall.json", "synthetic_recall_near.json"], evals
         assert (run / "study_eval_tiny.json").is_file()
         ruler = json.loads((run / "eval" / "ruler.json").read_text())["results"]
         assert list(ruler["average"]) == ["256"] and sorted(ruler["scores"]) == ["mk_niah_1", "s_niah_1"]
