@@ -1,11 +1,12 @@
 """A whole controlled comparison on the GPUs of one node, in one command: train every preset of a family once per
 seed, evaluate every run, write the family's report (docs/mini.md).
 
-    python -m launch.study mini [--size mini|tiny] [--seeds 0,1,2] [--gpus N] [--runs-dir DIR] [--out DIR]
-                                [--log-dir DIR] [-- train.py overrides]
+    python -m launch.study mini [--size mini|tiny] [--seeds 0,1,2] [--gpus N] [--runs-per-gpu K] [--runs-dir DIR]
+                                [--out DIR] [--log-dir DIR] [-- train.py overrides]
 
 Runs are composed as launch/sweep.sh composes them (run names `<run name>-seed<k>`, `train.seed` and `data.seed`
-per seed). One run per GPU (CUDA_VISIBLE_DEVICES), queued when there are more runs than GPUs; without GPUs
+per seed). One run per GPU (CUDA_VISIBLE_DEVICES; --runs-per-gpu K: K at a time on each), queued when there are
+more runs than that; without GPUs
 (or --gpus 0) one after another on the CPU. A run's evaluations (launch/study_eval.py) follow its training on
 the same GPU; the report (`python -m logo.report RUN... --family F`) comes last. Every step appends to its own
 log under --log-dir and prints one line when it starts and one when it ends. A finished run is not retrained
@@ -88,6 +89,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--size", default="mini", help=f"{' | '.join(SIZES)}: the presets as they are, or at a CPU size")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: each preset once per seed")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every visible one; 0: the CPU)")
+    ap.add_argument("--runs-per-gpu", type=int, default=1,
+                    help="runs sharing each GPU at once (small models leave a GPU idle between launches)")
     ap.add_argument("--runs-dir", default="runs", help="run directories go here (default: runs/)")
     ap.add_argument("--out", default="", help="the report folder (default: reports/<family>[-<size>])")
     ap.add_argument("--log-dir", default="", help="logs of every step (default: logs/study/<family>[-<size>])")
@@ -104,6 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ArgError(f"--seeds {a.seeds!r}: a seed is repeated")
     if a.gpus is not None and a.gpus < 0:
         raise ArgError(f"--gpus {a.gpus}: must be >= 0")
+    if a.runs_per_gpu < 1:
+        raise ArgError(f"--runs-per-gpu {a.runs_per_gpu}: must be >= 1")
     return a
 
 
@@ -124,31 +129,31 @@ def gpu_slots(asked: Optional[int]) -> list[str]:
 
 def run_queue(jobs: list[Job], slots: list[str], start: Callable[[Step, str], subprocess.Popen],
               event: Callable[[str, Job, Step, str, Optional[int]], None], poll_s: float = 0.2) -> list[Job]:
-    """Run every job on the slots: the next queued job takes the first free slot, a job's steps run one after
-    another on its slot, a failed step (non-zero exit code) ends its job. `start(step, slot)` launches a step;
+    """Run every job on the slots (CUDA_VISIBLE_DEVICES values; a GPU listed twice runs two jobs at once): the next
+    queued job takes the first free slot, a job's steps run one after another on its slot, a failed step (non-zero exit code) ends its job. `start(step, slot)` launches a step;
     `event(what, job, step, slot, code)` is told of every "start" and "end". Returns the jobs (failed/code set)."""
-    queue, free = deque(jobs), list(slots)
-    running: dict[str, tuple[Job, int, subprocess.Popen]] = {}  # slot -> (job, step index, process)
+    queue, free = deque(jobs), list(range(len(slots)))  # slot indices: a GPU may hold several slots
+    running: dict[int, tuple[Job, int, subprocess.Popen]] = {}  # slot index -> (job, step index, process)
     try:
         while queue or running:
             while queue and free:
-                job, slot = queue.popleft(), free.pop(0)
-                running[slot] = (job, 0, _start(job, 0, slot, start, event))
+                job, k = queue.popleft(), free.pop(0)
+                running[k] = (job, 0, _start(job, 0, slots[k], start, event))
             time.sleep(poll_s)
-            for slot, (job, i, proc) in list(running.items()):
+            for k, (job, i, proc) in list(running.items()):
                 code = proc.poll()
                 if code is None:
                     continue
                 step = job.steps[i]
-                event("end", job, step, slot, code)
+                event("end", job, step, slots[k], code)
                 if code != 0:
                     job.failed, job.code = step, code
                 elif i + 1 < len(job.steps):
-                    running[slot] = (job, i + 1, _start(job, i + 1, slot, start, event))
+                    running[k] = (job, i + 1, _start(job, i + 1, slots[k], start, event))
                     continue
-                del running[slot]
-                free.append(slot)
-                free.sort(key=slots.index)
+                del running[k]
+                free.append(k)
+                free.sort()
     except BaseException:
         stop([proc for _, _, proc in running.values()])
         raise
@@ -259,7 +264,8 @@ def main(argv: list[str]) -> int:
         log_dir = Path(os.path.abspath(a.log_dir or f"logs/study/{tag}"))
         out = Path(os.path.abspath(a.out or f"reports/{tag}"))
         jobs = plan_jobs(a, log_dir, runs_dir)
-        slots = gpu_slots(a.gpus)
+        gpus = gpu_slots(a.gpus)
+        slots = gpus * a.runs_per_gpu if gpus != [""] else gpus  # every GPU's first run, then the second ones
     except (ArgError, SweepError, StudyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -267,7 +273,9 @@ def main(argv: list[str]) -> int:
         print("interrupted: nothing was started", file=sys.stderr)
         return INTERRUPTED
     progress = Progress()
-    where = f"{len(slots)} GPU{'s' * (len(slots) != 1)}" if slots != [""] else "the CPU"
+    where = f"{len(gpus)} GPU{'s' * (len(gpus) != 1)}" if gpus != [""] else "the CPU"
+    if gpus != [""] and a.runs_per_gpu > 1:
+        where += f", {a.runs_per_gpu} at a time on each"
     progress.line(f"{a.family} ({a.size}): {len(jobs)} runs on {where}; logs in {log_dir}")
     start = launcher()
     try:

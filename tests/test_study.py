@@ -33,6 +33,7 @@ study_eval = _module("logo_study_eval", "launch/study_eval.py")
     (["mini", "--seeds", "1,1"], "--seeds '1,1': a seed is repeated"),
     (["mini", "--gpus", "-1"], "--gpus -1: must be >= 0"),
     (["mini", "--gpus", "x"], "--gpus: invalid int value: 'x'"),
+    (["mini", "--runs-per-gpu", "0"], "--runs-per-gpu 0: must be >= 1"),
     (["mini", "--bogus"], "unrecognized arguments: --bogus"),
     (["mini", "--", "run.dir=/x"], "override 'run.dir=/x' would give several runs one directory"),
     (["mini", "--", "data.seed=4"], "override 'data.seed=4' conflicts with --seeds"),
@@ -194,3 +195,18 @@ def test_a_run_train_py_found_complete_is_reported_as_not_retrained(tmp_path, ca
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("done  train  mini/logo seed 0 (already complete: not retrained)")
     assert out[1].endswith("done  train  mini/logo seed 0")
+
+
+def test_a_gpu_listed_twice_runs_two_jobs_at_once(tmp_path):
+    """--runs-per-gpu 2 lists each GPU twice: two jobs share it, never three."""
+    jobs = [study.Job(f"j{i}", [_probe(tmp_path, f"j{i}", 0.3)]) for i in range(5)]
+    events = []
+    study.run_queue(jobs, ["0", "1", "0", "1"], study.launcher(),
+                    lambda what, job, step, slot, code: events.append((what, job.name, slot)), poll_s=0.02)
+    starts = [e for e in events if e[0] == "start"]
+    assert [s[2] for s in starts[:4]] == ["0", "1", "0", "1"]  # every GPU's first run, then the second ones
+    busy: dict = {"0": 0, "1": 0}
+    for what, _, slot in events:
+        busy[slot] += 1 if what == "start" else -1
+        assert 0 <= busy[slot] <= 2, events
+    assert all(j.failed is None and j.code == 0 for j in jobs) and len(starts) == 5
