@@ -15,7 +15,8 @@ route about half the tokens (p ~ 0.5 around b = 0.5); pass `--checkpoint` for a 
 
 The anchor (`--anchor transformers`, on by default on GPU): the full-attention model's weights mapped to
 `LlamaForCausalLM` by the exporter's converter (`logo.run.hf_layout.to_hf`), the same prompts, greedy
-`generate` with its default cache; ms per step = (time for 1 + N new tokens - time for 1) / N.
+`generate` with its default cache; ms per step = (time for 1 + N new tokens - time for 1) / N, each the
+fastest of 3 runs.
 
 `--ruler N`: also a RULER run per kind and context (`logo.eval.ruler.run_ruler`: every task, N samples each, the
 largest of `--batches` prompts at a time, up to 64 new tokens), its wall time from the first prompt to the last
@@ -147,7 +148,9 @@ def measure_transformers(llama, device, prompts: list, new_tokens: int) -> dict:
 
     reset_memory(device)
     run(2)  # warm-up
-    t1, tn = run(1), run(1 + new_tokens)
+    # the fastest of 3 alternating runs of each length: a difference of two single timings can come out negative
+    # on a busy host
+    t1, tn = (min(ts) for ts in zip(*((run(1), run(1 + new_tokens)) for _ in range(3))))
     dt = tn - t1
     out = {"prefill_s": t1, "ms_per_step": 1e3 * dt / new_tokens, "tokens_per_s": len(prompts) * new_tokens / dt}
     if device.type == "cuda":
