@@ -49,6 +49,12 @@ def sequences(gen: torch.Generator, n: int, seq_len: int):
     return x[:, :seq_len], x[:, 1:], torch.stack(marks, 1)
 
 
+def marker_accuracy(logits: torch.Tensor, labels: torch.Tensor, marks: torch.Tensor) -> float:
+    """Share of the markers (B, M) whose next token, the key, is the argmax of logits (B, T, V)."""
+    rows = torch.arange(marks.shape[0])[:, None]
+    return (logits.argmax(-1)[rows, marks] == labels[rows, marks]).float().mean().item()
+
+
 def build(args):
     attn = AttentionConfig(kind=args.kind, rho=args.rho, window=args.window, gamma=args.gamma,
                            budget_control=args.control)
@@ -80,7 +86,7 @@ def train(args) -> dict:
                 p, rows = first_layer_gate(model, x), torch.arange(x.shape[0])[:, None]
                 rec = {"step": step, "threshold": model.layers[str(model.logo_layer_ids[0])].attention.threshold.item(),
                        "p_all": p.mean().item(), "p_marker": p[rows, marks].mean().item(),
-                       "acc_marker": (out.logits.argmax(-1)[rows, marks] == y[rows, marks]).float().mean().item()}
+                       "acc_marker": marker_accuracy(out.logits, y, marks)}
             log.append(rec)
             print(f"step {step:5d} | b {rec['threshold']:+.3f} | p all {rec['p_all']:.3f} | p at markers "
                   f"{rec['p_marker']:.3f} | accuracy at markers {rec['acc_marker']:.2f}", flush=True)
@@ -100,7 +106,7 @@ def train(args) -> dict:
 def held_out(model, seq_len: int) -> dict:
     x, y, marks = sequences(torch.Generator().manual_seed(1234), 64, seq_len)
     rows = torch.arange(64)[:, None]
-    res = {"accuracy_at_markers": (model(x).logits.argmax(-1)[rows, marks] == y[rows, marks]).float().mean().item()}
+    res = {"accuracy_at_markers": marker_accuracy(model(x).logits, y, marks)}
     if model.logo_layer_ids:
         z = record_routing(model, x).float()  # (L_logo, B, T)
         res["global_at_markers"] = z[:, rows, marks].mean((1, 2)).tolist()

@@ -130,7 +130,8 @@ def gpu_slots(asked: Optional[int]) -> list[str]:
 def run_queue(jobs: list[Job], slots: list[str], start: Callable[[Step, str], subprocess.Popen],
               event: Callable[[str, Job, Step, str, Optional[int]], None], poll_s: float = 0.2) -> list[Job]:
     """Run every job on the slots (CUDA_VISIBLE_DEVICES values; a GPU listed twice runs two jobs at once): the next
-    queued job takes the first free slot, a job's steps run one after another on its slot, a failed step (non-zero exit code) ends its job. `start(step, slot)` launches a step;
+    queued job takes the first free slot, a job's steps run one after another on its slot, a failed step (non-zero
+    exit code) ends its job. `start(step, slot)` launches a step;
     `event(what, job, step, slot, code)` is told of every "start" and "end". Returns the jobs (failed/code set)."""
     queue, free = deque(jobs), list(range(len(slots)))  # slot indices: a GPU may hold several slots
     running: dict[int, tuple[Job, int, subprocess.Popen]] = {}  # slot index -> (job, step index, process)

@@ -199,6 +199,10 @@ def test_trainer_mfu_reads_the_documents_of_each_micro_batch():
         x = torch.zeros(rows, seq, dtype=torch.long)
         return Batch(x, x, None if cu is None else torch.tensor(cu, dtype=torch.int32), x > -1)
 
-    log = _StepLog(*[None] * 9)
-    log.add_documents(StepData([batch(2, 8, [0, 5, 8, 16]), batch(3, 4)], 40))
+    step = StepData([batch(2, 8, [0, 5, 8, 16]), batch(3, 4)], 40)
+    log = _StepLog(None, None, 1e15, *[None] * 6)  # a device peak: MFU is logged
+    log.add_documents(step)
     assert [d.tolist() for d in log.documents] == [[5, 3, 8], [4, 4, 4]]
+    no_peak = _StepLog(*[None] * 9)  # off CUDA no MFU, so nothing is kept
+    no_peak.add_documents(step)
+    assert no_peak.documents == []

@@ -164,7 +164,8 @@ def test_the_tiny_study_trains_evaluates_and_reports_every_arm(tmp_path, capsys)
         assert cfg["steps"] == 2
         evals = sorted(f.name for f in (run / "eval").glob("*.json"))
         assert evals == ["perplexity.json", "ruler.json", "synthetic_copy.json", "synthetic_copy_near.json",
-                         "synthetic_needle_retrieval.json", "synthetic_recall.json", "synthetic_recall_near.json"], evals
+                         "synthetic_needle_retrieval.json", "synthetic_recall.json",
+                         "synthetic_recall_near.json"], evals
         assert (run / "study_eval_tiny.json").is_file()
         ruler = json.loads((run / "eval" / "ruler.json").read_text())["results"]
         assert list(ruler["average"]) == ["256"] and sorted(ruler["scores"]) == ["mk_niah_1", "s_niah_1"]

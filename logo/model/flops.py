@@ -5,7 +5,8 @@ Conventions:
 - `attention_flops_per_token(cfg, T)`: forward FLOPs of the attention *score and value* products
   (QK^T and PV: 4 * H * D per query-key pair) per token, averaged over positions 1..T of a full-length
   sequence and summed over layers; with `doc_lengths`, over the positions of those documents instead (attention
-  stays inside a document: packed short documents cost far less than one document of the whole length). Local: min(t, w) keys; global: t keys; LoGo: local for every token plus
+  stays inside a document: packed short documents cost far less than one document of the whole length).
+  Local: min(t, w) keys; global: t keys; LoGo: local for every token plus
   rho of the tokens global (the target budget, or the realized ratio per layer when `ratios` is given);
   intra-layer: per-head mix. Projections (including LoGo's transforms and gate) are parameters and so are
   counted by 6 * N in `train_flops_per_token`.
@@ -29,21 +30,9 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
     return total, total - emb
 
 
-def _mean_keys_global(T: int) -> float:
-    return (T + 1) / 2.0  # mean over t = 1..T of t
-
-
-def _mean_keys_local(T: int, w: int) -> float:
-    if T <= w:
-        return _mean_keys_global(T)
-    return (w * (w + 1) / 2.0 + (T - w) * w) / T
-
-
-def _mean_keys(seq_len: int, window: int, doc_lengths: Optional[Sequence[int]]) -> tuple[float, float]:
-    """Keys per query, averaged over tokens: (global, local within `window`) for one document of seq_len
-    tokens, or over the tokens of the documents `doc_lengths` (each token sees only its own document)."""
-    if doc_lengths is None:
-        return _mean_keys_global(seq_len), _mean_keys_local(seq_len, window)
+def _mean_keys(window: int, doc_lengths: Sequence[int]) -> tuple[float, float]:
+    """Keys per query, averaged over the tokens of the documents `doc_lengths` (each token sees only its own
+    document; causal): (global: t keys at position t, local: min(t, window))."""
     n = np.asarray(doc_lengths, dtype=np.float64)
     tokens = max(float(n.sum()), 1.0)
     m = np.minimum(n, window)  # positions 1..m see t keys, the rest `window`
@@ -91,7 +80,7 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, ratios: Optional[d
     doc_lengths: the documents the tokens belong to, else one document of seq_len)."""
     a = cfg.attention
     per_pair = 4 * cfg.n_heads * cfg.head_dim
-    g, loc = _mean_keys(seq_len, a.window, doc_lengths)
+    g, loc = _mean_keys(a.window, [seq_len] if doc_lengths is None else doc_lengths)
     total = 0.0
     for kind, f in zip(a.layer_kinds(cfg.n_layers), layer_global_fractions(cfg, ratios)):
         if kind == "logo":
@@ -120,7 +109,8 @@ def mfu(cfg: ModelConfig, seq_len: int, params_non_embedding: int, tokens_per_s:
     """Model FLOPs utilization: train_flops_per_token (attention by kind: window for local, realized ratio
     for LoGo layers when `ratios` is given, over the documents `doc_lengths` when given) x tokens/s over
     `peak_flops` (bf16 dense peak of all GPUs used)."""
-    return train_flops_per_token(cfg, seq_len, params_non_embedding, ratios, doc_lengths) * tokens_per_s / peak_flops
+    flops = train_flops_per_token(cfg, seq_len, params_non_embedding, ratios, doc_lengths)
+    return flops * tokens_per_s / peak_flops
 
 
 def peak_bf16_flops(device_name: str) -> float:

@@ -366,7 +366,9 @@ class _StepLog:
 
     def add_documents(self, data: StepData) -> None:
         """Note the lengths of the documents of this rank's micro-batches (host tensors: no sync), which MFU's
-        attention FLOPs count over (each token sees only its own document)."""
+        attention FLOPs count over (each token sees only its own document); nothing where no MFU is logged."""
+        if not self.peak:
+            return
         for mb in data.micro_batches:
             rows, seq = mb.inputs.shape
             if mb.cu_seqlens is None:
