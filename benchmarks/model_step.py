@@ -6,7 +6,8 @@
     python benchmarks/model_step.py --shapes 1.5b-8k --kinds logo --backends triton
 
 Shapes (`--shapes`): 1.5b-8k (1.5B, 1 x 8192 tokens), 1.5b-32k (1.5B, 1 x 32768 tokens, activation
-checkpointing on), small (dim 256, 8 layers, 4 heads, vocab 512, 32 x 1024 tokens), tiny (CPU smoke test).
+checkpointing on), 1.5b-128k (1.5B, 1 x 131072 tokens, activation checkpointing on: the `ctx_128k` stage's
+sequence as one document on one GPU), small (dim 256, 8 layers, 4 heads, vocab 512, 32 x 1024 tokens), tiny (CPU smoke test).
 Kinds (`--kinds`): full, local, inter_layer, intra_layer, logo (the conf/attention presets; LoGo without
 P-mask and with `attention.budget_control=quantile`: each threshold follows the (1 - rho) quantile of the last
 step's gate values, so after the warm-up steps about rho = 0.5 of the rows go global, whatever the untrained
@@ -57,6 +58,7 @@ KINDS = ("full", "local", "inter_layer", "intra_layer", "logo")
 SHAPES = {  # name: (train.py overrides, seq_len, sequences per step, activation checkpointing by default)
     "1.5b-8k": (["model=1.5b"], 8192, 1, False),
     "1.5b-32k": (["model=1.5b"], 32768, 1, True),
+    "1.5b-128k": (["model=1.5b"], 131072, 1, True),
     "small": (["model=small", "model.n_layers=8", "model.vocab_size=512"], 1024, 32, False),
     "tiny": (["model=tiny", "model.n_layers=2", "model.vocab_size=512", "attention.window=16"], 64, 2, False),
 }
@@ -368,7 +370,7 @@ def parse_args(argv=None):
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {list(KINDS)}")
     ap.add_argument("--compile", default="off", choices=["off", "on", "both"], help="train.compile (both: each)")
     ap.add_argument("--ac", default="auto", choices=["auto", "on", "off"],
-                    help="activation checkpointing; auto: the shape's default (on for 1.5b-32k)")
+                    help="activation checkpointing; auto: the shape's default (on for 1.5b-32k and 1.5b-128k)")
     ap.add_argument("--loss", default="auto", choices=["auto", "liger", "chunked", "plain"], help="train.loss")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="measured steps (the median is reported)")
