@@ -95,7 +95,7 @@ LAYOUTS = {
         order=lambda c: (model_rank(c), -(c.budget or 0), c.name)),
     "mini": Layout(
         "mini", "The controlled comparison in miniature: text + long-range synthetic tasks (paper Table 3 layout)",
-        (("Model", lambda c: c.name),), ("ppl/*", "synthetic/*/accuracy", "ruler/*", "ruler_avg", "ratio_mean"),
+        (("Model", lambda c: c.name),), ("ppl/*", "synthetic/*/token_accuracy", "ruler/*", "ruler_avg", "ratio_mean"),
         ruler=False, match=lambda c: (c.size,), is_baseline=lambda c: c.model == "LoGo" and not c.extra,
         order=lambda c: (model_rank(c), c.name), compare_columns=True, ratio_tail=0.1, ratio_tolerance=0.02,
         span=True),
