@@ -4,11 +4,16 @@
     python benchmarks/gate_probe.py --layers 2 --steps 1000 --pmask-fraction 0.5
     python benchmarks/gate_probe.py --kind full                       # the same task with full attention
     python benchmarks/gate_probe.py --rho 1.0 --out /tmp/probe.json   # every token global
+    python benchmarks/gate_probe.py --task copy --layers 2 --rho 1.0 --steps 400   # copying (an induction head)
 
-The task: a 64-token vocabulary; each sequence of --seq-len tokens starts with a key (one of 16 tokens), then random
-filler, and every 14 tokens (jittered by 0-2) a marker token whose next token is the key again. The window
-(--window, default 8) cannot reach the key or the previous marker's answer, so only global attention answers it.
-The filler is unpredictable (its loss cannot fall below log 47).
+The tasks (--task), a 64-token vocabulary:
+- key: each sequence of --seq-len tokens starts with a key (one of 16 tokens), then random filler, and every 14
+  tokens (jittered by 0-2) a marker token whose next token is the key again. The window (--window, default 8)
+  cannot reach the key or the previous marker's answer, so only global attention answers it. The filler is
+  unpredictable (its loss cannot fall below log 47).
+- copy: a random span of --seq-len / 2 tokens, then the same span again; the "markers" are the second span's
+  positions whose next token is a copy (found by looking up the current token's earlier occurrence and reading
+  what followed it: an induction head, which needs two layers). The window cannot reach the first span.
 
 Printed every --log-every steps, for the first LoGo layer: the threshold b, the mean gate p over all tokens and at
 the markers, and the accuracy at the markers on that step's batch. At the end, on 64 held-out sequences: the
@@ -49,6 +54,19 @@ def sequences(gen: torch.Generator, n: int, seq_len: int):
     return x[:, :seq_len], x[:, 1:], torch.stack(marks, 1)
 
 
+def copy_sequences(gen: torch.Generator, n: int, seq_len: int):
+    """inputs (n, T), labels (n, T) and the marker positions (n, M): a span of T / 2 random tokens twice; the markers
+    are the second span's positions T/2 .. T-2, each labelled with the token that followed its first occurrence."""
+    half = seq_len // 2
+    span = torch.randint(0, VOCAB, (n, half), generator=gen)
+    x = torch.cat((span, span, torch.randint(0, VOCAB, (n, 1), generator=gen)), 1)  # (n, T + 1)
+    marks = torch.arange(half, seq_len - 1).expand(n, -1)
+    return x[:, :seq_len], x[:, 1:], marks
+
+
+TASKS = {"key": sequences, "copy": copy_sequences}
+
+
 def marker_accuracy(logits: torch.Tensor, labels: torch.Tensor, marks: torch.Tensor) -> float:
     """Share of the markers (B, M) whose next token, the key, is the argmax of logits (B, T, V)."""
     rows = torch.arange(marks.shape[0])[:, None]
@@ -79,7 +97,7 @@ def train(args) -> dict:
     logo = bool(model.logo_layer_ids)
     gen, log, t0 = torch.Generator().manual_seed(args.seed), [], time.time()
     for step in range(args.steps):
-        x, y, marks = sequences(gen, args.batch, args.seq_len)
+        x, y, marks = TASKS[args.task](gen, args.batch, args.seq_len)
         out = model(x)
         if logo and step % args.log_every == 0:
             with torch.no_grad():
@@ -99,12 +117,12 @@ def train(args) -> dict:
             ctrl.accumulate(out.routing.detach())
             ctrl.step()
     return {"args": vars(args), "log": log, "final_loss": loss.item(), "seconds": time.time() - t0,
-            **held_out(model, args.seq_len)}
+            **held_out(model, args.task, args.seq_len)}
 
 
 @torch.no_grad()
-def held_out(model, seq_len: int) -> dict:
-    x, y, marks = sequences(torch.Generator().manual_seed(1234), 64, seq_len)
+def held_out(model, task: str, seq_len: int) -> dict:
+    x, y, marks = TASKS[task](torch.Generator().manual_seed(1234), 64, seq_len)
     rows = torch.arange(64)[:, None]
     res = {"accuracy_at_markers": marker_accuracy(model(x).logits, y, marks)}
     if model.logo_layer_ids:
@@ -122,6 +140,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None):
     ap = _Parser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", default="key", choices=sorted(TASKS), help="key retrieval or copying (see above)")
     ap.add_argument("--kind", default="logo", help="attention.kind (logo, full, intra_layer, ...)")
     ap.add_argument("--rho", type=float, default=0.5)
     ap.add_argument("--layers", type=int, default=1)
@@ -139,6 +158,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1 or args.seq_len < 40 or args.log_every < 1 or not 0 <= args.pmask_fraction < 1:
         ap.error("--steps and --log-every must be >= 1, --seq-len >= 40, --pmask-fraction in [0, 1)")
+    if args.task == "copy" and (args.seq_len % 2 or args.window >= args.seq_len // 2):
+        ap.error(f"--task copy: --seq-len {args.seq_len} must be even and --window {args.window} below half of it")
     return args
 
 
