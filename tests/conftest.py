@@ -12,7 +12,24 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+
+def _worker_threads() -> int:
+    """CPU threads for one test process: this machine's cores shared out among pytest-xdist's workers."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+# Under xdist, each worker and the processes it starts (train.py, torchrun ranks, mp.spawn) use the worker's share of
+# the cores: more OpenMP threads than cores make the workers' spinning threads wait on each other. Set before torch
+# starts its thread pool; an explicit OMP_NUM_THREADS is kept.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_worker_threads()))
+
+import torch  # noqa: E402
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Without a GPU, Triton kernels run under Triton's CPU interpreter (set before anything imports triton kernels).
 if not torch.cuda.is_available():

@@ -164,15 +164,32 @@ def test_trainer_layouts_equal_one_process(single, tmp_path, overrides, nproc):
     _assert_same_steps(single, read_metrics(tmp_path))
 
 
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, default_corpus):
+    """The same run by dp=2 (FSDP): checkpoints at steps 2 and 3."""
+    with scratch_dir(tmp_path_factory, "dp2") as d:
+        run_train(*ARGS, f"run.dir={d}", nproc=2, timeout=600)
+        yield d
+
+
+def _copy_run(src, dst):
+    """A copy of the run directory `src` without its last checkpoint (shards hard-linked: a resume only reads
+    them; every other file copied, as a resume rewrites some in place)."""
+    def copy(s, d):
+        return os.link(s, d) if s.endswith(".distcp") else shutil.copy2(s, d)
+    shutil.copytree(src, dst, copy_function=copy, ignore=lambda d, names: [f"step_{STEPS:08d}"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("resume_with", ["parallel.tp=2", "parallel.cp=2"])
-def test_checkpoint_resumes_with_another_layout(single, tmp_path, resume_with):
+def test_checkpoint_resumes_with_another_layout(single, dp2, tmp_path, resume_with):
     """Saved at step 2 by dp=2 (FSDP), resumed by another layout (DCP resharding): step 3 as one process."""
-    run_train(*ARGS, "train.steps=3", f"run.dir={tmp_path}", nproc=2, timeout=600)
-    shutil.rmtree(tmp_path / "checkpoints" / f"step_{STEPS:08d}")
-    p = run_train(*ARGS, resume_with, f"run.dir={tmp_path}", nproc=2, timeout=600)
+    d = tmp_path / "run"
+    _copy_run(dp2, d)
+    assert sorted(x.name for x in (d / "checkpoints").iterdir()) == ["step_00000002"]
+    p = run_train(*ARGS, resume_with, f"run.dir={d}", nproc=2, timeout=600)
     assert "resumed from" in p.stderr + p.stdout
-    last = read_metrics(tmp_path)[-1]
+    last = read_metrics(d)[-1]
     _assert_same_steps(single[-1:], [last])
 
 
