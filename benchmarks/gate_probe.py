@@ -68,7 +68,7 @@ TASKS = {"key": sequences, "copy": copy_sequences}
 
 
 def marker_accuracy(logits: torch.Tensor, labels: torch.Tensor, marks: torch.Tensor) -> float:
-    """Share of the markers (B, M) whose next token, the key, is the argmax of logits (B, T, V)."""
+    """Share of the markers (B, M) whose label (the key, or the copied token) is the argmax of logits (B, T, V)."""
     rows = torch.arange(marks.shape[0])[:, None]
     return (logits.argmax(-1)[rows, marks] == labels[rows, marks]).float().mean().item()
 

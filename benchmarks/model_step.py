@@ -7,7 +7,8 @@
 
 Shapes (`--shapes`): 1.5b-8k (1.5B, 1 x 8192 tokens), 1.5b-32k (1.5B, 1 x 32768 tokens, activation
 checkpointing on), 1.5b-128k (1.5B, 1 x 131072 tokens, activation checkpointing on: the `ctx_128k` stage's
-sequence as one document on one GPU), small (dim 256, 8 layers, 4 heads, vocab 512, 32 x 1024 tokens), tiny (CPU smoke test).
+sequence as one document on one GPU), small (dim 256, 8 layers, 4 heads, vocab 512, 32 x 1024 tokens), tiny (CPU
+smoke test).
 Kinds (`--kinds`): full, local, inter_layer, intra_layer, logo (the conf/attention presets; LoGo without
 P-mask and with `attention.budget_control=quantile`: each threshold follows the (1 - rho) quantile of the last
 step's gate values, so after the warm-up steps about rho = 0.5 of the rows go global, whatever the untrained

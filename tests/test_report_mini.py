@@ -92,7 +92,8 @@ def report(mini_runs, tmp_path_factory):
 def test_table_rows_columns_and_seed_statistics(report):
     md = (report / "table_mini.md").read_text().splitlines()
     header = [h.strip() for h in md[0].strip("|").split("|")]
-    assert header[:6] == ["Model", "corpus ppl", "associative_recall token acc.", "RULER 4k", "RULER avg.", "Global ratio"]
+    assert header[:6] == ["Model", "corpus ppl", "associative_recall token acc.", "RULER 4k", "RULER avg.",
+                          "Global ratio"]
     assert [ln.split("|")[1].strip() for ln in md[2:]] == ["Transformer", "inter-layer-H", "intra-layer-H", "LoGo"]
     df = pd.read_csv(report / "table_mini.csv").set_index("model")
     names = dict(zip((a for a, _ in ARMS), ("Transformer", "inter-layer-H", "intra-layer-H", "LoGo")))
@@ -113,8 +114,8 @@ def test_welch_tests_against_logo(report):
     assert {c["baseline"].split(" (")[0] for c in rep["comparisons"]} == {"mini LoGo"}
     for arm, name in (("transformer", "Transformer"), ("inter_layer", "inter-layer-H"),
                       ("intra_layer", "intra-layer-H")):
-        for key, data in (("ppl/corpus", PPL), ("synthetic/associative_recall/token_accuracy", ACC), ("ruler/4k", RULER),
-                          ("ruler_avg", RULER)):
+        for key, data in (("ppl/corpus", PPL), ("synthetic/associative_recall/token_accuracy", ACC),
+                          ("ruler/4k", RULER), ("ruler_avg", RULER)):
             c = cmp[(f"mini {name}", key)]
             assert c["p"] == pytest.approx(_welch_p(data[arm], data["logo"]), abs=1e-7), (arm, key)
             scale = 100 if key.startswith("synthetic") else 1
