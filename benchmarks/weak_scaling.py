@@ -5,7 +5,7 @@
 
 Each run is `torchrun --standalone --nproc_per_node=n train.py OVERRIDES` with the global batch set to
 n x micro-batch x accumulation sequences (so every GPU does the same work in every run), `logging.interval=1`
-and no checkpoint before the end (the final checkpoint is deleted after the run unless --keep-checkpoints).
+and no checkpoint (`checkpoint.enable=false`; with --keep-checkpoints, one at the end).
 From each run's metrics.jsonl (one record per step, step times from CUDA events) it reports, over the
 second half of the steps (compilation and warm-up excluded): tokens/s per GPU (median), the efficiency against
 the first GPU count, the step-time spread (min and max against the median), MFU (median) and the peak memory
@@ -29,11 +29,12 @@ if str(ROOT) not in sys.path:
 
 
 def run_overrides(overrides: list[str], n: int, micro: int, accum: int, seq_len: int, steps: int,
-                  run_dir: Path, cpu: bool) -> list[str]:
+                  run_dir: Path, cpu: bool, keep_checkpoints: bool = False) -> list[str]:
     # held-out evaluation off unless the overrides turn it on: the benchmark times training steps
     return ["eval.interval=0", *overrides, f"stage.global_batch_tokens={n * micro * accum * seq_len}",
             f"train.micro_batch={micro}", f"train.steps={steps}", "logging.interval=1", "logging.progress_bar=false",
-            f"checkpoint.interval={10**9}", "checkpoint.resume=false", f"run.dir={run_dir}",
+            f"checkpoint.interval={10**9}", f"checkpoint.enable={str(keep_checkpoints).lower()}",
+            "checkpoint.resume=false", f"run.dir={run_dir}",
             *(["parallel.device=cpu", "parallel.backend=gloo"] if cpu else [])]
 
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu", action="store_true", help="CPU processes over gloo")
-    ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--keep-checkpoints", action="store_true", help="save a checkpoint at the end of each run")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     ap.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = ap.parse_args(argv)
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
             shutil.rmtree(run_dir)  # a fresh run, not a resume of an older one
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                str(ROOT / "train.py"), *run_overrides(args.overrides, n, args.micro_batch, args.accum, seq_len,
-                                                      args.steps, run_dir, args.cpu)]
+                                                      args.steps, run_dir, args.cpu, args.keep_checkpoints)]
         print("$ " + " ".join(cmd[2:]), flush=True)
         env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.cpu else {})}
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -115,8 +116,6 @@ def main(argv=None) -> int:
             return 1
         records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         rows.append({**summarize(records, n), "run_dir": str(run_dir)})
-        if not args.keep_checkpoints:
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     base = rows[0]["tokens_per_s_per_gpu"]
     for r in rows:
         r["efficiency"] = r["tokens_per_s_per_gpu"] / base

@@ -41,6 +41,8 @@ def load(*overrides):
     (["checkpoint.interval_minutes=-5"], "checkpoint.interval_minutes"),
     (["checkpoint.keep_every_tokens=-1"], "checkpoint.keep_every_tokens"),
     (["checkpoint.writer_threads=0"], "checkpoint.writer_threads"),
+    (["checkpoint.enable=false", "checkpoint.keep_every_tokens=4096"], "checkpoint.keep_every_tokens"),
+    (["checkpoint.enable=false", "checkpoint.interval_minutes=30"], "checkpoint.interval_minutes"),
     (["run.lock_stale_minutes=0"], "run.lock_stale_minutes"),
 ])
 def test_bad_value_names_the_field(overrides, field):

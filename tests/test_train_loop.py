@@ -112,6 +112,16 @@ def test_a_stop_signal_saves_and_the_same_command_resumes(straight, tmp_path):
     assert b == a  # steps 1..k from the first process, k+1..N after the restart; equal to the straight run
 
 
+def test_checkpoints_off_saves_nothing_and_says_so(tmp_path, default_corpus):
+    """checkpoint.enable=false (benchmarks): the run trains and logs, writes no checkpoint, not even at its end,
+    and says so once at the start."""
+    run_dir = tmp_path / "nock"
+    p = run_train(*TINY_RUN, "train.steps=2", "checkpoint.interval=1", "checkpoint.enable=false", f"run.dir={run_dir}")
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    assert (p.stdout + p.stderr).count("checkpoint.enable=false: this run saves no checkpoint") == 1
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, default_corpus):
     # An absurd learning rate blows the weights up after the first step; step 2's loss is not finite.
     p = run_train(*TINY_RUN, "train.steps=5", "checkpoint.interval=1", "stage.lr=1e30", "stage.lr_min=1e29",

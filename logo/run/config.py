@@ -112,6 +112,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
+    enable: bool = True  # false: the run writes no checkpoint at all, not even at the end or on a stop (benchmarks)
     interval: int = 100  # steps between checkpoints (and one at the end)
     interval_minutes: float = 0.0  # also save when this much wall time passed since the last save; 0 = off
     keep: int = 3  # keep the last k
@@ -387,6 +388,11 @@ def validate(c: Config) -> None:
         _fail("checkpoint.keep_every_tokens", ck.keep_every_tokens, "must be an integer >= 0 (0 = off)")
     if not isinstance(ck.writer_threads, int) or not 1 <= ck.writer_threads <= 64:
         _fail("checkpoint.writer_threads", ck.writer_threads, "must be an integer in [1, 64]")
+    if not isinstance(ck.enable, bool):
+        _fail("checkpoint.enable", ck.enable, "must be true or false")
+    if not ck.enable and (ck.keep_every_tokens or ck.interval_minutes):
+        which = "keep_every_tokens" if ck.keep_every_tokens else "interval_minutes"
+        _fail(f"checkpoint.{which}", getattr(ck, which), "asks for saves but checkpoint.enable=false writes none")
     if c.logging.wandb_mode not in ("auto", "online", "offline"):
         _fail("logging.wandb_mode", c.logging.wandb_mode, "choose auto, online or offline")
     for name, v in (("eval.interval", c.eval.interval), ("eval.tokens", c.eval.tokens),

@@ -422,6 +422,8 @@ def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: 
             _write_run_files(run_dir, plan, resolved)
             log.info("LM loss: %s (train.loss=%s)", loss_impl, cfg.train.loss)
             log.info("plan:\n%s", plan.table())
+            if not cfg.checkpoint.enable:
+                log.warning("checkpoint.enable=false: this run saves no checkpoint, not even at its end or on a stop")
             if world > 1:
                 log.info("%s", b.dims.describe())
             if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
@@ -551,7 +553,7 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
             step = state.step
             if step == start_step + 1 and world > 1:  # start-up and compilation are over: the run's timeout
                 set_timeouts(cfg.parallel.timeout_s)
-            if step == start_step + 1:  # the first step of the process (its time also holds compilation)
+            if step == start_step + 1 and ck.enable:  # the process's first step (its time also holds compilation)
                 with phase("checkpoint"):
                     prestage_s = ckpt.prestage(b.model, b.opt)
                 if prestage_s and rank == 0:
@@ -569,7 +571,8 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
             log_now = step % cfg.logging.interval == 0 or step == plan.steps or bool(evaluated)
             milestone = _milestone(step, plan.global_batch_tokens, ck.keep_every_tokens)
             last_step = step == plan.steps
-            save_now = (step % ck.interval == 0 or (last_step and save_final) or stop_now or time_due or milestone)
+            save_now = ck.enable and (step % ck.interval == 0 or (last_step and save_final) or stop_now or time_due
+                                      or milestone)
             if log_now or save_now:  # the only host syncs of the loop: loss, grad norm, divergence state
                 with phase("sync"):
                     loss, grad_norm, diverged = read_back(out, monitor)
@@ -595,8 +598,9 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
                 on_step_end(step)
             if stop_now:
                 if rank == 0:
-                    log.warning("received %s: checkpoint saved at step %d; re-run the same command to resume",
-                                stop.signal or "a stop signal on another rank", step)
+                    log.warning("received %s: %s", stop.signal or "a stop signal on another rank",
+                                f"checkpoint saved at step {step}; re-run the same command to resume" if ck.enable
+                                else f"stopped at step {step} without a checkpoint (checkpoint.enable=false)")
                 break
     finally:
         error = sys.exc_info()[1]
