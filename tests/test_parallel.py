@@ -22,7 +22,7 @@ from data.loader import Batch
 from logo.config import AttentionConfig, ModelConfig
 from logo.model import Transformer
 
-T = 16  # tokens per row: 4 chunks of 4 under cp=2 (window 4: halo of 3)
+T = 16  # tokens per row (window 4: halos of 3 rows, longer than many of the documents' pieces)
 
 
 def build(kind: str, bf16: bool = False) -> Transformer:
@@ -53,12 +53,12 @@ def loss_sum(out, labels):
 
 def _worker(rank, port, out_dir, layout, kind, compiled, bf16=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    tp, cp = layout
+    dist.init_process_group("gloo", rank=rank, world_size=tp * cp)
     try:
         from logo.parallel import ParallelDims, parallelize
         from logo.parallel.cp import context_parallel, shard_batch
-        tp, cp = layout
-        dims = ParallelDims.build(2, tp, cp, "cpu")
+        dims = ParallelDims.build(tp * cp, tp, cp, "cpu")
         model, mb = build(kind, bf16), micro_batch()
         parallelize(model, None, torch.float32 if bf16 else torch.float64, compile_blocks=compiled, tp_mesh=dims.submesh("tp"),
                     cp_mesh=dims.submesh("cp"))
@@ -86,17 +86,86 @@ def _worker(rank, port, out_dir, layout, kind, compiled, bf16=False):
         dist.destroy_process_group()
 
 
+def mixed_documents(B: int, T: int, seed: int) -> Batch:
+    """A (B, T) micro-batch whose first document has 48 tokens, then documents of 1 to T tokens, cut at the
+    row edges."""
+    g = torch.Generator().manual_seed(seed)
+    cuts, at = {m * T for m in range(B + 1)} | {48}, 48
+    while at < B * T:
+        cuts.add(at)
+        at += int(torch.randint(1, T, (1,), generator=g))
+    tokens = torch.randint(0, 128, (B, T), generator=g)
+    return Batch(tokens, tokens, torch.tensor(sorted(cuts), dtype=torch.int32), torch.ones(B, T, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_documents_split_into_balanced_pieces(cp):
+    """Every global row on exactly one rank, B*T/cp rows each; every local piece inside one document at its
+    recorded offset, in document order, with its true rotary position; causal work inside every document whose
+    length 2*cp divides is equal on every rank, and the ranks' whole work within 5%."""
+    from logo.parallel.cp import shard_batch
+    B, T = 2, 96
+    mb = mixed_documents(B, T, seed=cp)
+    cu, n = mb.cu_seqlens.long(), B * T // cp
+    seen, work = [], []
+    for r in range(cp):
+        local, pos, lay = shard_batch(mb, cp, r, window=8)
+        g = lay.scatter_index[r * n:(r + 1) * n]  # the global rows of this rank's local rows
+        assert local.inputs.shape == (1, n) and torch.equal(local.inputs[0], mb.inputs.flatten()[g])
+        assert torch.equal(pos, g % T)
+        doc = torch.searchsorted(cu[1:], g, right=True)
+        piece = torch.searchsorted(local.cu_seqlens[1:].long(), torch.arange(n), right=True)
+        assert torch.equal(doc, lay.piece_doc[piece]) and bool((doc.diff() >= 0).all())
+        assert torch.equal(g - cu[doc], (lay.piece_offset[piece] + lay.piece_pos).long())
+        work.append(torch.zeros(len(cu) - 1, dtype=torch.int64).index_add_(0, doc, g - cu[doc] + 1))
+        seen.append(g)
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(B * T))
+    work = torch.stack(work)  # (cp, documents)
+    even = (cu.diff() % (2 * cp) == 0)
+    assert even.any() and bool((work[:, even] == work[0, even]).all())
+    total = work.sum(1).double()
+    assert total.max() / total.min() < 1.05, total
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_halos_are_the_window_before_each_piece(cp):
+    """The sliding window's [halo, piece] sequences of every rank, built from its own rows and the rows every
+    rank exports: each piece preceded by the `window - 1` rows before it inside its document (fewer at the
+    document's start); query rows of the halo are the zero row; the kept rows are the local rows in order."""
+    from logo.parallel.cp import shard_batch
+    B, T, window = 2, 96, 8
+    mb = mixed_documents(B, T, seed=10 + cp)
+    cu, n = mb.cu_seqlens.long(), B * T // cp
+    lays = [shard_batch(mb, cp, r, window) for r in range(cp)]
+    rows = [lay.scatter_index[r * n:(r + 1) * n] for r, (_, _, lay) in enumerate(lays)]
+    exported = torch.cat([rows[s][lay.export_index] for s, (_, _, lay) in enumerate(lays)])
+    for r, (local, _, lay) in enumerate(lays):
+        ext = torch.cat((exported, rows[r]))[lay.kv_index]  # global row of every [halo, piece] row
+        expect, q = [], []
+        for p in range(len(local.cu_seqlens) - 1):
+            a, b = int(local.cu_seqlens[p]), int(local.cu_seqlens[p + 1])
+            start = int(rows[r][a])
+            doc_start = int(cu[torch.searchsorted(cu[1:], torch.tensor(start), right=True)])
+            halo = list(range(max(doc_start, start - (window - 1)), start))
+            expect += halo + rows[r][a:b].tolist()
+            q += [0] * len(halo) + list(range(1 + a, 1 + b))
+        assert ext.tolist() == expect and lay.q_index.tolist() == q
+        assert torch.equal(lay.kv_index[lay.keep_index], cp * len(lay.export_index) + torch.arange(n))
+        assert int(lay.cu_halo[-1]) == len(expect)
+
+
 @pytest.mark.parametrize("kind,layout,compiled", [
     pytest.param("full", (2, 1), False, marks=pytest.mark.slow), ("logo", (2, 1), False), ("logo", (2, 1), True),
-    pytest.param("full", (1, 2), False, marks=pytest.mark.slow), ("logo", (1, 2), False)],
-    ids=["tp2-full", "tp2-logo", "tp2_compiled-logo", "cp2-full", "cp2-logo"])
+    pytest.param("full", (1, 2), False, marks=pytest.mark.slow), ("logo", (1, 2), False), ("logo", (1, 4), False)],
+    ids=["tp2-full", "tp2-logo", "tp2_compiled-logo", "cp2-full", "cp2-logo", "cp4-logo"])
 def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, compiled, kind):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), layout, kind, compiled), nprocs=2, join=True)
+    world = layout[0] * layout[1]
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), layout, kind, compiled), nprocs=world, join=True)
     model, mb = build(kind), micro_batch()
     out = model(mb.inputs, cu_seqlens=mb.cu_seqlens)
     ref = loss_sum(out, mb.labels)
     ref.backward()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for r in ranks:
         torch.testing.assert_close(r["loss"], ref.detach(), rtol=1e-12, atol=1e-10)
         for n, p in model.named_parameters():
@@ -106,7 +175,7 @@ def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, compile
             assert torch.equal(ranks[0]["routing"][:, :2], ranks[1]["routing"][:, :2])
             assert torch.equal(ranks[0]["routing"][:, :2], out.routing[:, :2])
         else:  # cp ranks hold different tokens: their counts add up to one process's
-            torch.testing.assert_close(ranks[0]["routing"][:, :2] + ranks[1]["routing"][:, :2], out.routing[:, :2])
+            torch.testing.assert_close(sum(r["routing"][:, :2] for r in ranks), out.routing[:, :2])
         assert 0 < out.routing[:, 0].sum() < out.routing[:, 1].sum()  # routing is really mixed
 
 
@@ -210,7 +279,7 @@ def test_memory_estimate_and_layout_errors():
     with pytest.raises(ConfigError, match="parallel.tp=3"):
         check_tp(cfg, 3)  # 16 heads
     with pytest.raises(ConfigError, match="parallel.cp=4"):
-        check_cp(100, 4, 1)
+        check_cp(100, 4)
     with pytest.raises(ConfigError, match="parallel.tp=2, parallel.cp=2"):
         ParallelDims.sizes(6, 2, 2)
     assert (ParallelDims.sizes(8, 2, 2).dp, ParallelDims.sizes(8, 1, 1).dp) == (2, 8)

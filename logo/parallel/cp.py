@@ -1,19 +1,23 @@
-"""Context parallelism: one sequence split over the cp ranks, attention ops wrapped with their communication.
+"""Context parallelism: the tokens of a micro-batch split over the cp ranks, attention ops wrapped with their
+communication.
 
-Sharding (`shard_batch`): each row of T tokens is cut into 2*cp chunks of c = T / (2 cp); rank r keeps chunks r
-and 2cp-1-r (a head and a tail chunk), so causal attention costs the same on every rank. The model sees a
-(B, 2c) batch whose documents are cut at the chunk edges (so every piece is a "sequence" for its local
-metadata), with each column's true rotary position (`positions`).
+Sharding (`shard_batch`): every document of the micro-batch (the packed rows' documents, cut at the row edges) is
+cut into 2*cp pieces of (nearly) equal length; rank r keeps pieces r and 2cp-1-r (a head and a tail piece), so
+causal attention inside every document costs the same on every rank whatever the documents' lengths. (A split of
+each row into 2cp chunks balances one document per row only: with packed documents of mixed lengths, the ranks'
+attention work differs by a median factor of 1.5 on the embedded corpus at 32k.) Pieces one token longer than
+others are dealt out so that every rank keeps exactly B*T/cp tokens. The model sees a (1, B*T/cp) batch of
+pieces (each piece a "sequence" of the local metadata), with each token's true rotary position (`positions`).
 
 Attention (`apply_cp` installs one `ContextParallelOps` on every attention module of the model; `context_parallel`
 sets the micro-batch's layout on it for the forward and backward; without a layout, e.g. in evaluation, the ops
 run on the local rows like the plain ones):
 - global / full attention: the keys and values of every rank are all-gathered (autograd: their gradients are
   reduce-scattered back) and put in sequence order; the local queries attend them at their true positions
-  in their true documents (query-sparse op), so document masking holds across shard edges;
-- sliding window: each chunk needs only the `window - 1` keys/values before it, the tail of the previous
-  chunk (on a neighbouring rank): the chunk tails are all-gathered (2 x (window-1) rows per rank) and each
-  chunk attends [halo, chunk] as one packed sequence, cut at the true document edges.
+  in their true documents (query-sparse op), so document masking holds across pieces;
+- sliding window: each piece needs the `window - 1` keys/values before it in its document (its halo), held by
+  other pieces, of this or another rank: every rank all-gathers the rows that other ranks' halos need, and each
+  piece attends [halo, piece] as one packed sequence.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch.nn as nn
 import torch
 import torch.distributed as dist
@@ -32,22 +37,42 @@ from logo.kernels.reference import positions_in_sequence
 from logo.config import ConfigError
 
 
-def chunk_owner(j: int, cp: int) -> tuple[int, int]:
-    """(rank, half) holding chunk j of 2*cp: rank r holds chunks r (half 0) and 2cp-1-r (half 1)."""
-    return (j, 0) if j < cp else (2 * cp - 1 - j, 1)
+def split_documents(cu: np.ndarray, cp: int) -> list[np.ndarray]:
+    """Document offsets cu (S+1,) over the flattened micro-batch -> per rank, its pieces as an (P_r, 3) int64
+    array of (start, length, document), in document order (piece r before piece 2cp-1-r), empty pieces left out.
+
+    A document of length L becomes 2cp pieces of L // 2cp tokens; its L % 2cp extra tokens go one per piece to
+    the ranks that have received the fewest extras so far (at most two per rank: its two pieces). The ranks'
+    extra counts then never differ by more than one, and with T divisible by 2cp every row's extras are a
+    multiple of cp, so every rank keeps the same number of tokens of every row."""
+    n = 2 * cp
+    got = np.zeros(cp, dtype=np.int64)  # extra tokens dealt to each rank so far
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(cp)]
+    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        base, rem = divmod(e - s, n)
+        extra = [0] * n
+        taken = [0] * cp
+        for _ in range(rem):
+            r = min((r for r in range(cp) if taken[r] < 2), key=lambda r: (got[r], r))
+            extra[r if taken[r] == 0 else n - 1 - r] = 1
+            taken[r] += 1
+            got[r] += 1
+        start = s
+        for k in range(n):
+            length = base + extra[k]
+            if length:
+                out[k if k < cp else n - 1 - k].append((start, length, d))
+            start += length
+    # each rank's pieces in document order: its head piece, then its tail piece, of every document
+    return [np.array(sorted(p, key=lambda t: t[0]), dtype=np.int64).reshape(-1, 3) for p in out]
 
 
-def local_columns(T: int, cp: int, rank: int) -> torch.Tensor:
-    """(T / cp,) int64: the columns (= rotary positions) of a row that rank keeps, in local order."""
-    c = T // (2 * cp)
-    ar = torch.arange(c)
-    return torch.cat((rank * c + ar, (2 * cp - 1 - rank) * c + ar))
-
-
-def _cut(bounds: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Sorted offsets of [lo, hi) cut at the given global offsets, relative to lo."""
-    inner = bounds[(bounds > lo) & (bounds < hi)]
-    return torch.cat((torch.tensor([lo]), inner, torch.tensor([hi]))) - lo
+def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(start, start + length) over the spans."""
+    if lengths.sum() == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return offsets + np.arange(lengths.sum())
 
 
 @dataclass
@@ -55,61 +80,93 @@ class CPLayout:
     """Host-built metadata of one sharded micro-batch (every tensor on the device at `to`)."""
 
     cp: int
-    rows: int  # B
-    chunk: int  # c
     window: int
     cu_global: torch.Tensor  # (S+1,) int32 documents over the full B*T rows
     piece_doc: torch.Tensor  # (P,) int64 global document of each local piece
     piece_offset: torch.Tensor  # (P,) int32 position of the piece's first token inside its document
     piece_pos: torch.Tensor  # (N_local,) int32 position of each local row inside its piece
     gather_index: torch.Tensor  # (B*T,) int64: global row g = cat(all ranks' local rows)[gather_index[g]]
-    scatter_index: torch.Tensor  # (B*T,) int64: its inverse (row j of that concatenation is global row scatter_index[j])
-    cu_halo: torch.Tensor  # (.,) int32 offsets over the (B, 2, window-1+c) [halo, chunk] rows
+    scatter_index: torch.Tensor  # (B*T,) int64: its inverse: row j of that concatenation is global row scatter_index[j]
+    export_index: torch.Tensor  # (E,) int64 local rows that other ranks' halos need (padded with row 0)
+    kv_index: torch.Tensor  # (N_ext,) int64 rows of cat(every rank's exports (cp*E), local rows), [halo, piece]s
+    q_index: torch.Tensor  # (N_ext,) int64 rows of cat(one zero row, local rows) in the same order (halo rows: 0)
+    keep_index: torch.Tensor  # (N_local,) int64 the local rows' places among the N_ext rows
+    cu_halo: torch.Tensor  # (P+1,) int32 offsets of the [halo, piece] sequences
 
     def to(self, device) -> CPLayout:
-        return CPLayout(self.cp, self.rows, self.chunk, self.window,
+        return CPLayout(self.cp, self.window,
                         *(t.to(device, non_blocking=True) for t in (self.cu_global, self.piece_doc, self.piece_offset,
                                                                     self.piece_pos, self.gather_index,
-                                                                    self.scatter_index, self.cu_halo)))
+                                                                    self.scatter_index, self.export_index,
+                                                                    self.kv_index, self.q_index, self.keep_index,
+                                                                    self.cu_halo)))
 
 
 def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torch.Tensor, CPLayout]:
-    """This rank's share of a (B, T) micro-batch (on the host) -> (local batch (B, T/cp), positions (T/cp,),
-    layout). `window`: the sliding window of the model's local attention (1 when it has none)."""
+    """This rank's share of a (B, T) micro-batch (on the host) -> (local batch (1, B*T/cp), the local tokens'
+    rotary positions (B*T/cp,), layout). `window`: the sliding window of the model's local attention (1 when it
+    has none)."""
     B, T = mb.inputs.shape
-    c = T // (2 * cp)
-    cols = local_columns(T, cp, rank)
     cu_g = (mb.cu_seqlens.long() if mb.cu_seqlens is not None else torch.arange(0, B * T + 1, T)).cpu()
-    halo = max(window - 1, 0)
-    pieces, halo_cuts, docs, offsets = [0], [0], [], []
-    for m in range(B):
-        for h, j in enumerate((rank, 2 * cp - 1 - rank)):
-            lo = m * T + j * c
-            cut = _cut(cu_g, lo, lo + c)
-            base = (2 * m + h) * c
-            pieces.extend((base + cut[1:]).tolist())
-            starts = lo + cut[:-1]
-            d = torch.searchsorted(cu_g[1:], starts, right=True)
-            docs.append(d)
-            offsets.append(starts - cu_g[d])
-            hcut = _cut(cu_g, lo - halo, lo + c)
-            if j == 0 and halo:  # no halo before a row's first chunk: the zero rows form their own piece
-                hcut = torch.unique(torch.cat((hcut, torch.tensor([halo]))))
-            halo_cuts.extend(((2 * m + h) * (halo + c) + hcut[1:]).tolist())
-    cu_local = torch.tensor(pieces, dtype=torch.int32)
-    local = Batch(mb.inputs[:, cols].contiguous(), mb.labels[:, cols].contiguous(), cu_local,
-                  mb.valid[:, cols].contiguous())
-    n_local = B * 2 * c
-    gather = torch.empty(B * T, dtype=torch.int64)
-    for s in range(cp):  # global row of each of rank s's local rows
-        g = (torch.arange(B)[:, None] * T + local_columns(T, cp, s)[None, :]).flatten()
-        gather[g] = s * n_local + torch.arange(n_local)
+    cu = cu_g.numpy()
+    pieces = split_documents(cu, cp)
+    rows = [_spans(p[:, 0], p[:, 1]) for p in pieces]  # (N_local,) global rows of each rank, in local order
+    n_local = B * T // cp
+    if any(len(r) != n_local for r in rows):
+        raise ValueError(f"context-parallel split gave {[len(r) for r in rows]} rows per rank, not {n_local}")
+    mine, idx = pieces[rank], torch.from_numpy(rows[rank])
+    cu_local = torch.from_numpy(np.concatenate(([0], np.cumsum(mine[:, 1])))).to(torch.int32)
+    local = Batch(*(t.flatten()[idx].unsqueeze(0) for t in (mb.inputs, mb.labels)), cu_local,
+                  mb.valid.flatten()[idx].unsqueeze(0))
+    owner = np.empty(B * T, dtype=np.int64)  # the rank holding each global row, and its place there
+    place = np.empty(B * T, dtype=np.int64)
+    for s, r in enumerate(rows):
+        owner[r], place[r] = s, np.arange(n_local)
+    gather = torch.from_numpy(owner * n_local + place)
     scatter = torch.empty_like(gather)
     scatter[gather] = torch.arange(B * T)
-    layout = CPLayout(cp, B, c, window, cu_g.to(torch.int32), torch.cat(docs), torch.cat(offsets).to(torch.int32),
-                      positions_in_sequence(cu_local, n_local), gather, scatter,
-                      torch.tensor(halo_cuts, dtype=torch.int32))
-    return local, cols, layout
+    halo = _halo_indices(pieces, cu, owner, place, rank, max(window - 1, 0), n_local)
+    doc = torch.from_numpy(mine[:, 2])
+    offset = (torch.from_numpy(mine[:, 0]) - cu_g[doc]).to(torch.int32)
+    layout = CPLayout(cp, window, cu_g.to(torch.int32), doc, offset, positions_in_sequence(cu_local, n_local), gather,
+                      scatter, *halo)
+    return local, idx % T, layout
+
+
+def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, place: np.ndarray, rank: int,
+                  halo: int, n_local: int) -> tuple[torch.Tensor, ...]:
+    """(export_index, kv_index, q_index, keep_index, cu_halo) of `rank` (CPLayout): each piece's halo is the
+    `halo` rows before it inside its document; rows of other ranks come through their exports, which hold,
+    for every rank, the rows that any other rank's halos need (the same on every rank)."""
+    def halo_rows(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (rows, per-piece halo lengths)
+        lengths = np.minimum(halo, p[:, 0] - cu[p[:, 2]])
+        return _spans(p[:, 0] - lengths, lengths), lengths
+    needed = [halo_rows(p)[0] for p in pieces]
+    exports = [np.unique(np.concatenate([np.zeros(0, np.int64)] + [n[owner[n] == s] for t, n in enumerate(needed)
+                                                                   if t != s])) for s in range(len(pieces))]
+    E = max(1, max(len(x) for x in exports))
+    slot = np.zeros(owner.shape[0], dtype=np.int64)  # a row's place among its owner's exports
+    for s, x in enumerate(exports):
+        slot[x] = s * E + np.arange(len(x))
+    mine = pieces[rank]
+    rows, lengths = halo_rows(mine)
+    cp_e = len(pieces) * E
+    halo_kv = np.where(owner[rows] == rank, cp_e + place[rows], slot[rows])
+    starts = np.concatenate(([0], np.cumsum(lengths + mine[:, 1])[:-1]))  # each [halo, piece] sequence's offset
+    piece_rows = _spans(np.concatenate(([0], np.cumsum(mine[:, 1])[:-1])), mine[:, 1])  # 0..n_local-1
+    keep = _spans(starts + lengths, mine[:, 1])  # (N_local,) the piece rows' places in the extended order
+    n_ext = int((lengths + mine[:, 1]).sum())
+    kv = np.empty(n_ext, dtype=np.int64)
+    q = np.zeros(n_ext, dtype=np.int64)
+    is_halo = np.ones(n_ext, dtype=bool)
+    is_halo[keep] = False
+    kv[is_halo], kv[keep] = halo_kv, cp_e + piece_rows
+    q[keep] = 1 + piece_rows
+    export = np.zeros(E, dtype=np.int64)
+    export[:len(exports[rank])] = place[exports[rank]]
+    cu_halo = np.concatenate(([0], np.cumsum(lengths + mine[:, 1])))
+    return (torch.from_numpy(export), torch.from_numpy(kv), torch.from_numpy(q), torch.from_numpy(keep),
+            torch.from_numpy(cu_halo).to(torch.int32))
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -181,36 +238,17 @@ class ContextParallelOps(dispatch.AttentionOps):
     def sliding_window_attention(self, q, k, v, cu_seqlens, window: int, scale: Optional[float] = None,
                                  backend: str = "auto"):
         L = self.layout
-        if L is None:
+        if L is None or window == 1:  # no halo: every piece attends only itself
             return super().sliding_window_attention(q, k, v, cu_seqlens, window, scale, backend)
         if window != L.window:
             raise ValueError(f"context parallel layout was built for window {L.window}, the op asks for {window}")
-        halo, c = window - 1, L.chunk
-        if halo == 0:
-            return super().sliding_window_attention(q, k, v, cu_seqlens, window, scale, backend)
-        rank = dist.get_rank(self.group)
-        ext = [self._with_halo(t, rank, gather=i > 0) for i, t in enumerate((q, k, v))]
-        o = super().sliding_window_attention(*ext, L.cu_halo, window, scale, backend)
-        return o.unflatten(0, (L.rows, 2, halo + c))[:, :, halo:].flatten(0, 2)
-
-    def _with_halo(self, x: torch.Tensor, rank: int, gather: bool) -> torch.Tensor:
-        """(B*2c, H, D) -> (B*2*(halo+c), H, D): each local chunk preceded by the previous chunk's last rows
-        (zeros for queries, `gather=False`: the halo rows' outputs are dropped)."""
-        L = self.layout
-        halo, c, cp = L.window - 1, L.chunk, L.cp
-        xs = x.unflatten(0, (L.rows, 2, c))  # (B, 2, c, H, D)
-        tails = None  # (cp, B, 2, halo, H, D): every rank's chunk tails
-        if gather:
-            tails = _all_gather(xs[:, :, c - halo:], self.group).unflatten(0, (cp, L.rows))
-        parts = []
-        for h, j in enumerate((rank, 2 * cp - 1 - rank)):
-            if j == 0 or tails is None:
-                prev = xs.new_zeros(L.rows, halo, *x.shape[1:])
-            else:
-                s, hh = chunk_owner(j - 1, cp)
-                prev = tails[s][:, hh]
-            parts.append(torch.cat((prev, xs[:, h]), dim=1))  # (B, halo+c, H, D)
-        return torch.stack(parts, dim=1).flatten(0, 2)
+        H = k.shape[1]
+        kv = torch.cat((k, v), dim=1)  # (N_local, 2H, D): one all-gather for both
+        exported = _all_gather(kv.index_select(0, L.export_index), self.group)  # (cp*E, 2H, D)
+        kv_ext = torch.cat((exported, kv)).index_select(0, L.kv_index)  # (N_ext, 2H, D) [halo, piece] per piece
+        q_ext = torch.cat((q.new_zeros(1, *q.shape[1:]), q)).index_select(0, L.q_index)  # halo queries: zeros
+        o = super().sliding_window_attention(q_ext, kv_ext[:, :H], kv_ext[:, H:], L.cu_halo, window, scale, backend)
+        return o.index_select(0, L.keep_index)  # the halo rows' outputs dropped
 
 
 def apply_cp(model: nn.Module, group: dist.ProcessGroup) -> ContextParallelOps:
@@ -242,9 +280,6 @@ def context_parallel(model: nn.Module, layout: CPLayout):
         cp_ops.layout = before
 
 
-def check_cp(seq_len: int, cp: int, window: int) -> None:
+def check_cp(seq_len: int, cp: int) -> None:
     if seq_len % (2 * cp):
         raise ConfigError(f"invalid config parallel.cp={cp}: stage.seq_len={seq_len} is not divisible by 2*cp")
-    if cp > 1 and seq_len // (2 * cp) < window - 1:
-        raise ConfigError(f"invalid config parallel.cp={cp}: chunks of {seq_len // (2 * cp)} tokens are shorter "
-                          f"than the sliding window halo ({window - 1})")

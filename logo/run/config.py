@@ -360,7 +360,7 @@ def validate(c: Config) -> None:
             _fail("parallel.tp", c.parallel.tp, f"stage.seq_len={c.stage.seq_len} must be divisible by it "
                   "(sequence parallelism splits the residual stream along time)")
     if c.parallel.cp > 1:
-        check_cp(c.stage.seq_len, c.parallel.cp, c.model.attention.window)
+        check_cp(c.stage.seq_len, c.parallel.cp)
         if not c.model.attention.document_mask:
             _fail("parallel.cp", c.parallel.cp, "context parallelism needs attention.document_mask=true (use "
                   "data.document_mask=false to attend across documents)")
