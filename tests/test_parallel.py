@@ -127,6 +127,25 @@ def test_documents_split_into_balanced_pieces(cp):
     assert total.max() / total.min() < 1.05, total
 
 
+def test_row_gather_backward_sums_every_use_without_atomics():
+    """The context-parallel row gather's backward (gathers over the host-built inverse) equals autograd's
+    index_select backward, with rows used 0 to 3 times and outputs whose gradient is known to be zero left out."""
+    import numpy as np
+    from logo.parallel.cp import _GatherRows, gather_inverse
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 2, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    index = np.array([3, 0, 3, 5, 3, 0, 6, 1])
+    used = np.array([True, True, True, True, True, False, True, True])  # output 5's gradient: zero
+    grad = torch.randn(8, 2, 3, dtype=torch.float64, generator=g) * torch.from_numpy(used)[:, None, None]
+    inverse = gather_inverse(index, 7, used)
+    assert inverse.shape == (3, 7)  # row 3 used three times
+    out = _GatherRows.apply(x, torch.from_numpy(index), inverse)
+    assert torch.equal(out, x[torch.from_numpy(index)])
+    (got,) = torch.autograd.grad(out, x, grad)
+    (want,) = torch.autograd.grad(x.index_select(0, torch.from_numpy(index)), x, grad)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_halos_are_the_window_before_each_piece(cp):
     """The sliding window's [halo, piece] sequences of every rank, built from its own rows and the rows every

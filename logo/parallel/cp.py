@@ -75,6 +75,20 @@ def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return offsets + np.arange(lengths.sum())
 
 
+def gather_inverse(index: np.ndarray, n_src: int, used: Optional[np.ndarray] = None) -> torch.Tensor:
+    """The backward map of the row gather out = src[index]: (m, n_src) int64 whose row j holds, for every source
+    row, the output row of its j-th use (len(index), a zero row, where it has fewer than j+1; m = the most uses of
+    one row). `used` (len(index),) bool: outputs whose gradient is known to be zero, left out when False."""
+    out = np.arange(len(index)) if used is None else np.nonzero(used)[0]
+    src = index[out]
+    order = np.argsort(src, kind="stable")
+    src, out = src[order], out[order]
+    j = np.arange(len(src)) - np.searchsorted(src, src, side="left")  # the use's number among its row's uses
+    inverse = np.full((int(j.max()) + 1 if len(src) else 1, n_src), len(index), dtype=np.int64)
+    inverse[j, src] = out
+    return torch.from_numpy(inverse)
+
+
 @dataclass
 class CPLayout:
     """Host-built metadata of one sharded micro-batch (every tensor on the device at `to`)."""
@@ -92,6 +106,11 @@ class CPLayout:
     q_index: torch.Tensor  # (N_ext,) int64 rows of cat(one zero row, local rows) in the same order (halo rows: 0)
     keep_index: torch.Tensor  # (N_local,) int64 the local rows' places among the N_ext rows
     cu_halo: torch.Tensor  # (P+1,) int32 offsets of the [halo, piece] sequences
+    # the inverses of the four gathers above (`gather_inverse`), for their backward
+    export_inverse: torch.Tensor
+    kv_inverse: torch.Tensor
+    q_inverse: torch.Tensor
+    keep_inverse: torch.Tensor
 
     def to(self, device) -> CPLayout:
         return CPLayout(self.cp, self.window,
@@ -99,7 +118,9 @@ class CPLayout:
                                                                     self.piece_pos, self.gather_index,
                                                                     self.scatter_index, self.export_index,
                                                                     self.kv_index, self.q_index, self.keep_index,
-                                                                    self.cu_halo)))
+                                                                    self.cu_halo, self.export_inverse,
+                                                                    self.kv_inverse, self.q_inverse,
+                                                                    self.keep_inverse)))
 
 
 def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torch.Tensor, CPLayout]:
@@ -135,7 +156,8 @@ def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torc
 
 def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, place: np.ndarray, rank: int,
                   halo: int, n_local: int) -> tuple[torch.Tensor, ...]:
-    """(export_index, kv_index, q_index, keep_index, cu_halo) of `rank` (CPLayout): each piece's halo is the
+    """(export_index, kv_index, q_index, keep_index, cu_halo and the four inverses) of `rank` (CPLayout): each
+    piece's halo is the
     `halo` rows before it inside its document; rows of other ranks come through their exports, which hold,
     for every rank, the rows that any other rank's halos need (the same on every rank)."""
     def halo_rows(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (rows, per-piece halo lengths)
@@ -165,8 +187,13 @@ def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, p
     export = np.zeros(E, dtype=np.int64)
     export[:len(exports[rank])] = place[exports[rank]]
     cu_halo = np.concatenate(([0], np.cumsum(lengths + mine[:, 1])))
+    keep_of_ext = np.full(n_ext, n_local, dtype=np.int64)  # keep's inverse: each extended row's local row
+    keep_of_ext[keep] = piece_rows
+    inverses = (gather_inverse(export, n_local, np.arange(E) < len(exports[rank])),  # padding: no one reads it
+                gather_inverse(kv, cp_e + n_local), gather_inverse(q, 1 + n_local, ~is_halo),  # halo queries: zeros
+                torch.from_numpy(keep_of_ext[None]))
     return (torch.from_numpy(export), torch.from_numpy(kv), torch.from_numpy(q), torch.from_numpy(keep),
-            torch.from_numpy(cu_halo).to(torch.int32))
+            torch.from_numpy(cu_halo).to(torch.int32), *inverses)
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -175,9 +202,9 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_gather_tensor_autograd(x.contiguous(), 0, group))
 
 
-class _PermuteRows(torch.autograd.Function):
-    """x[index] for a permutation `index` of x's rows, whose backward gathers the gradient with the inverse
-    permutation (autograd's own backward of indexing accumulates into zeros with atomic adds)."""
+class _GatherRows(torch.autograd.Function):
+    """x[index] (rows) whose backward sums each source row's uses with m gathers over the host-built inverse
+    (`gather_inverse`): no atomic adds (autograd's own backward of indexing accumulates into zeros with them)."""
 
     @staticmethod
     def forward(ctx, x, index, inverse):
@@ -187,7 +214,11 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        padded = torch.cat((grad, grad.new_zeros(1, *grad.shape[1:])))  # row len(index): no use
+        out = padded.index_select(0, inverse[0])
+        for uses in inverse[1:]:
+            out = out + padded.index_select(0, uses)
+        return out, None, None
 
 
 class ContextParallelOps(dispatch.AttentionOps):
@@ -204,7 +235,7 @@ class ContextParallelOps(dispatch.AttentionOps):
     def _gather_all(self, x: torch.Tensor) -> torch.Tensor:
         """Local rows (N_local, H, D) -> every row of the micro-batch in sequence order (B*T, H, D)."""
         L = self.layout
-        return _PermuteRows.apply(_all_gather(x, self.group), L.gather_index, L.scatter_index)
+        return _GatherRows.apply(_all_gather(x, self.group), L.gather_index, L.scatter_index[None])
 
     def query_sparse_attention(self, q, k, v, q_pos, rows, cu_q, cu_k, scale: Optional[float] = None,
                                backend: str = "auto"):
@@ -244,11 +275,11 @@ class ContextParallelOps(dispatch.AttentionOps):
             raise ValueError(f"context parallel layout was built for window {L.window}, the op asks for {window}")
         H = k.shape[1]
         kv = torch.cat((k, v), dim=1)  # (N_local, 2H, D): one all-gather for both
-        exported = _all_gather(kv.index_select(0, L.export_index), self.group)  # (cp*E, 2H, D)
-        kv_ext = torch.cat((exported, kv)).index_select(0, L.kv_index)  # (N_ext, 2H, D) [halo, piece] per piece
-        q_ext = torch.cat((q.new_zeros(1, *q.shape[1:]), q)).index_select(0, L.q_index)  # halo queries: zeros
+        exported = _all_gather(_GatherRows.apply(kv, L.export_index, L.export_inverse), self.group)  # (cp*E, 2H, D)
+        kv_ext = _GatherRows.apply(torch.cat((exported, kv)), L.kv_index, L.kv_inverse)  # (N_ext, 2H, D)
+        q_ext = _GatherRows.apply(torch.cat((q.new_zeros(1, *q.shape[1:]), q)), L.q_index, L.q_inverse)  # halo: 0
         o = super().sliding_window_attention(q_ext, kv_ext[:, :H], kv_ext[:, H:], L.cu_halo, window, scale, backend)
-        return o.index_select(0, L.keep_index)  # the halo rows' outputs dropped
+        return _GatherRows.apply(o, L.keep_index, L.keep_inverse)  # the halo rows' outputs dropped
 
 
 def apply_cp(model: nn.Module, group: dist.ProcessGroup) -> ContextParallelOps:
