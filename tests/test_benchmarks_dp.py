@@ -87,3 +87,19 @@ def test_weak_scaling_one_vs_two_gloo_ranks(tmp_path, default_corpus):
     rows = [json.loads(ln) for ln in (tmp_path / "gpus_2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["step_time_s"] > 0 for r in rows)
     assert "| 2 |" in p.stdout and "efficiency" in p.stdout
+
+
+def test_context_parallel_balance_of_the_two_splits():
+    """document_work.cp_imbalance: one document per row, both splits balance causal work exactly; a row of a long
+    and a short document loads the row split's ranks unevenly, the document split evenly (within the extra
+    tokens' rounding); the works counted equal the window's whole causal work."""
+    import numpy as np
+    import document_work
+    from logo.parallel.cp import split_documents
+    assert document_work.cp_imbalance(np.array([0, 64]), 2) == (1.0, 1.0)
+    cu = np.array([0, 50, 64])
+    by_docs, by_rows = document_work.cp_imbalance(cu, 2)
+    assert by_rows > 1.5 and by_docs < 1.05
+    pieces = split_documents(cu, 2)
+    total = sum(document_work.causal_work(p[:, 0], p[:, 1], cu[p[:, 2]]) for p in pieces)
+    assert total == sum(L * (L + 1) / 2 for L in np.diff(cu))

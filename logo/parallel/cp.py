@@ -4,8 +4,8 @@ communication.
 Sharding (`shard_batch`): every document of the micro-batch (the packed rows' documents, cut at the row edges) is
 cut into 2*cp pieces of (nearly) equal length; rank r keeps pieces r and 2cp-1-r (a head and a tail piece), so
 causal attention inside every document costs the same on every rank whatever the documents' lengths. (A split of
-each row into 2cp chunks balances one document per row only: with packed documents of mixed lengths, the ranks'
-attention work differs by a median factor of 1.5 on the embedded corpus at 32k.) Pieces one token longer than
+each row into 2cp chunks balances one document per row only: `benchmarks/document_work.py --cp` measures both on a
+corpus.) Pieces one token longer than
 others are dealt out so that every rank keeps exactly B*T/cp tokens. The model sees a (1, B*T/cp) batch of
 pieces (each piece a "sequence" of the local metadata), with each token's true rotary position (`positions`).
 
