@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from data.loader import Batch, StepData
 from logo.model.layers import check_cu_seqlens
@@ -65,6 +66,18 @@ def micro_batch_loss(model: torch.nn.Module, mb: Batch, autocast, loss_impl: str
     return out.loss_sum, out
 
 
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most max_norm; returns that norm (before scaling) as a
+    plain tensor. Gradients that are DTensors (FSDP, tensor parallelism) give a partial norm, reduced over their
+    mesh by `full_tensor` (the same composition of torch's clipping API as torchtitan's, without importing it)."""
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
 def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -93,7 +106,6 @@ def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, 
     tensor-parallel ranks hold the same tokens and count once; with cp > 1 each micro-batch is split along
     time (`window`: the model's sliding window, for the halo).
     """
-    from torchtitan.distributed.utils import clip_grad_norm_
     micro = data.micro_batches
     ranks = dims.dp * dims.cp if dims is not None else world
     group = dims.dim("dp_shard_cp").get_group() if dims is not None and dims.mesh is not None else None
