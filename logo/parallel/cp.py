@@ -157,9 +157,8 @@ def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torc
 def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, place: np.ndarray, rank: int,
                   halo: int, n_local: int) -> tuple[torch.Tensor, ...]:
     """(export_index, kv_index, q_index, keep_index, cu_halo and the four inverses) of `rank` (CPLayout): each
-    piece's halo is the
-    `halo` rows before it inside its document; rows of other ranks come through their exports, which hold,
-    for every rank, the rows that any other rank's halos need (the same on every rank)."""
+    piece's halo is the `halo` rows before it inside its document; rows of other ranks come through their exports,
+    which hold, for every rank, the rows that any other rank's halos need (the same on every rank)."""
     def halo_rows(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (rows, per-piece halo lengths)
         lengths = np.minimum(halo, p[:, 0] - cu[p[:, 2]])
         return _spans(p[:, 0] - lengths, lengths), lengths
