@@ -63,8 +63,8 @@ def split_documents(cu: np.ndarray, cp: int) -> list[np.ndarray]:
             if length:
                 out[k if k < cp else n - 1 - k].append((start, length, d))
             start += length
-    # each rank's pieces in document order: its head piece, then its tail piece, of every document
-    return [np.array(sorted(p, key=lambda t: t[0]), dtype=np.int64).reshape(-1, 3) for p in out]
+    # appended in document order, and inside a document piece r before piece 2cp-1-r: already sorted by start
+    return [np.array(p, dtype=np.int64).reshape(-1, 3) for p in out]
 
 
 def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -162,7 +162,8 @@ def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, p
     def halo_rows(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (rows, per-piece halo lengths)
         lengths = np.minimum(halo, p[:, 0] - cu[p[:, 2]])
         return _spans(p[:, 0] - lengths, lengths), lengths
-    needed = [halo_rows(p)[0] for p in pieces]
+    halos = [halo_rows(p) for p in pieces]
+    needed = [r for r, _ in halos]
     exports = [np.unique(np.concatenate([np.zeros(0, np.int64)] + [n[owner[n] == s] for t, n in enumerate(needed)
                                                                    if t != s])) for s in range(len(pieces))]
     E = max(1, max(len(x) for x in exports))
@@ -170,11 +171,11 @@ def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, p
     for s, x in enumerate(exports):
         slot[x] = s * E + np.arange(len(x))
     mine = pieces[rank]
-    rows, lengths = halo_rows(mine)
+    rows, lengths = halos[rank]
     cp_e = len(pieces) * E
     halo_kv = np.where(owner[rows] == rank, cp_e + place[rows], slot[rows])
     starts = np.concatenate(([0], np.cumsum(lengths + mine[:, 1])[:-1]))  # each [halo, piece] sequence's offset
-    piece_rows = _spans(np.concatenate(([0], np.cumsum(mine[:, 1])[:-1])), mine[:, 1])  # 0..n_local-1
+    piece_rows = np.arange(n_local)  # the pieces tile the local rows in order
     keep = _spans(starts + lengths, mine[:, 1])  # (N_local,) the piece rows' places in the extended order
     n_ext = int((lengths + mine[:, 1]).sum())
     kv = np.empty(n_ext, dtype=np.int64)
