@@ -3,7 +3,8 @@ sum over documents of L(L+1)/2 per window instead of T(T+1)/2, so with packed do
 attention share of a step's FLOPs changes from batch to batch. This prints, for a preset, the distribution of
 that ratio over the corpus' training windows and what it implies, from FLOPs alone (no GPU): the step-work
 spread on one GPU (5th / 95th percentile against the median) and the weak-scaling efficiency lost when every
-step waits for the slowest of N ranks (median step work of one rank over the median of the max of N).
+step waits for the slowest of N ranks (median step work of one rank over the median of the max of N), with the
+ranks given contiguous slices of the global batch and with the rows dealt by work (`data.balance`).
 
     python benchmarks/document_work.py --gpus 2 --per-gpu 2 -- experiment=scaling/470m_full
 
@@ -74,6 +75,17 @@ def cp_imbalance(cu: np.ndarray, cp: int) -> tuple[float, float]:
     return max(by_docs) / min(by_docs), max(by_rows) / min(by_rows)
 
 
+def slowest_balanced(w: np.ndarray, share: float, gpus: int, per_gpu: int, samples: int, rng) -> np.ndarray:
+    """(samples,) the heaviest rank's step work when each global batch of gpus x per_gpu windows drawn from the
+    windows' attention work w is dealt to the ranks by `data.balance.assign_rows` (as the loader does)."""
+    from data.balance import assign_rows
+    out = np.empty(samples)
+    for s in range(samples):
+        batch = rng.choice(w, size=gpus * per_gpu)
+        out[s] = (1 - share) + share * batch[assign_rows(batch, gpus)].mean(1).max()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", type=int, default=2, help="ranks whose slowest sets each step")
@@ -100,6 +112,7 @@ def main(argv=None) -> int:
     one = rank_work()
     slowest = np.max([rank_work() for _ in range(args.gpus)], axis=0)
     med = np.median(one)
+    balanced = slowest_balanced(w, share, args.gpus, args.per_gpu, min(args.samples, 20000), rng)
     print(f"{cfg.model.name} at {T} tokens, document_mask={cfg.data.document_mask}: attention is "
           f"{100 * share:.0f}% of a step's FLOPs with whole-window attention")
     print(f"attention work per window inside documents ({len(w)} windows): mean {w.mean():.3f}, p10 "
@@ -107,7 +120,8 @@ def main(argv=None) -> int:
     print(f"step work, {args.per_gpu} sequence(s) per GPU: p5 {100 * (np.percentile(one, 5) / med - 1):+.1f}% / p95 "
           f"{100 * (np.percentile(one, 95) / med - 1):+.1f}% around the median")
     print(f"{args.gpus} ranks, each step as slow as the slowest: weak-scaling efficiency from the data alone "
-          f"{100 * med / np.median(slowest):.1f}%")
+          f"{100 * med / np.median(slowest):.1f}%; with the rows dealt by work (data.balance=true) "
+          f"{100 * med / np.median(balanced):.1f}%")
     if args.cp > 1:
         if T % (2 * args.cp):
             print(f"error: stage.seq_len={T} is not divisible by 2 x --cp={args.cp}", file=sys.stderr)

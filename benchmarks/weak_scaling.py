@@ -5,9 +5,11 @@
 
 Each run is `torchrun --standalone --nproc_per_node=n train.py OVERRIDES` with the global batch set to
 n x micro-batch x accumulation sequences (so every GPU does the same work in every run), `logging.interval=1`
-and no checkpoint (`checkpoint.enable=false`; with --keep-checkpoints, one at the end).
-From each run's metrics.jsonl (one record per step, step times from CUDA events) it reports, over the
-second half of the steps (compilation and warm-up excluded): tokens/s per GPU (median), the efficiency against
+(`--log-interval K`: K, a record of the mean step time of every K steps; the loop syncs with the GPU only at
+logging steps, so K > 1 is what a training run with the default interval does) and no checkpoint
+(`checkpoint.enable=false`; with --keep-checkpoints, one at the end); `--numa-binding MODE` is torchrun's (each
+rank's threads on the CPUs near its GPU).
+From each run's metrics.jsonl (step times from CUDA events) it reports, over the second half of the records (compilation and warm-up excluded): tokens/s per GPU (median), the efficiency against
 the first GPU count, the step-time spread (min and max against the median), MFU (median) and the peak memory
 per GPU (the largest over ranks). Prints a table and writes <out>/weak_scaling.json.
 `--cpu` runs the same on CPU processes over gloo (tests; `parallel.device=cpu`).
@@ -29,17 +31,18 @@ if str(ROOT) not in sys.path:
 
 
 def run_overrides(overrides: list[str], n: int, micro: int, accum: int, seq_len: int, steps: int,
-                  run_dir: Path, cpu: bool, keep_checkpoints: bool = False) -> list[str]:
+                  run_dir: Path, cpu: bool, keep_checkpoints: bool = False, log_interval: int = 1) -> list[str]:
     # held-out evaluation off unless the overrides turn it on: the benchmark times training steps
     return ["eval.interval=0", *overrides, f"stage.global_batch_tokens={n * micro * accum * seq_len}",
-            f"train.micro_batch={micro}", f"train.steps={steps}", "logging.interval=1", "logging.progress_bar=false",
+            f"train.micro_batch={micro}", f"train.steps={steps}", f"logging.interval={log_interval}",
+            "logging.progress_bar=false",
             f"checkpoint.interval={10**9}", f"checkpoint.enable={str(keep_checkpoints).lower()}",
             "checkpoint.resume=false", f"run.dir={run_dir}",
             *(["parallel.device=cpu", "parallel.backend=gloo"] if cpu else [])]
 
 
 def summarize(records: list[dict], world: int) -> dict:
-    """Figures of one run from its per-step metrics (second half of the steps)."""
+    """Figures of one run from its metrics records (the second half of them)."""
     steps = [r for r in records if "step_time_s" in r]
     if len(steps) < 2:
         raise SystemExit(f"error: the run logged {len(steps)} steps with timings; run at least 2 (--steps)")
@@ -78,10 +81,15 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU processes over gloo")
     ap.add_argument("--keep-checkpoints", action="store_true", help="save a checkpoint at the end of each run")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("--log-interval", type=int, default=1, help="steps per metrics record (logging.interval)")
+    ap.add_argument("--numa-binding", choices=["node", "socket", "exclusive", "core-complex"],
+                    help="torchrun's --numa-binding for every run")
     ap.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = ap.parse_args(argv)
-    if min(args.gpus) < 1 or args.micro_batch < 1 or args.accum < 1 or args.steps < 2:
-        ap.error("--gpus, --micro-batch and --accum must be >= 1 and --steps >= 2")
+    if min(args.gpus) < 1 or args.micro_batch < 1 or args.accum < 1 or args.log_interval < 1:
+        ap.error("--gpus, --micro-batch, --accum and --log-interval must be >= 1")
+    if args.steps < 2 * args.log_interval:
+        ap.error(f"--steps must give at least 2 records of --log-interval={args.log_interval} steps")
     from logo.config import ConfigError
     from logo.run.config import compose
     try:
@@ -97,8 +105,10 @@ def main(argv=None) -> int:
         if run_dir.exists():
             shutil.rmtree(run_dir)  # a fresh run, not a resume of an older one
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               *([f"--numa-binding={args.numa_binding}"] if args.numa_binding else []),
                str(ROOT / "train.py"), *run_overrides(args.overrides, n, args.micro_batch, args.accum, seq_len,
-                                                      args.steps, run_dir, args.cpu, args.keep_checkpoints)]
+                                                      args.steps, run_dir, args.cpu, args.keep_checkpoints,
+                                                      args.log_interval)]
         print("$ " + " ".join(cmd[2:]), flush=True)
         env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if args.cpu else {})}
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -120,7 +130,8 @@ def main(argv=None) -> int:
     for r in rows:
         r["efficiency"] = r["tokens_per_s_per_gpu"] / base
     result = {"overrides": args.overrides, "micro_batch": args.micro_batch, "accum": args.accum,
-              "seq_len": seq_len, "steps": args.steps, "device": "cpu" if args.cpu else "cuda", "runs": rows}
+              "seq_len": seq_len, "steps": args.steps, "log_interval": args.log_interval,
+              "numa_binding": args.numa_binding, "device": "cpu" if args.cpu else "cuda", "runs": rows}
     (out / "weak_scaling.json").write_text(json.dumps(result, indent=1))
     print(format_table(rows))
     print(f"wrote {out / 'weak_scaling.json'}")

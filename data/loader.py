@@ -3,7 +3,9 @@
 Training instances are windows of seq_len + 1 tokens of the split's token stream: instance i starts at token
 i * seq_len (inputs = window[:-1], labels = window[1:]). Each epoch visits all instances in the order
 `permutation(num_instances)` drawn from (seed, epoch); global batch b of an epoch is order[b*G:(b+1)*G],
-whatever the number of data-parallel ranks, and rank r takes its contiguous slice, split into micro-batches.
+whatever the number of data-parallel ranks. Rank r takes its contiguous slice of it, or with `balance` the rows
+`data.balance.assign_rows` deals it by attention work inside documents (the ranks then finish a step together);
+either way split into micro-batches.
 The state is (batches consumed, epoch, seed) plus the corpus fingerprint: resuming is exact. The tail of the
 stream after the last whole window, and the instances after the last whole global batch of an epoch, are
 not trained on that epoch. iter_eval() walks the split in order instead, tail included (padded).
@@ -21,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from data.balance import rank_rows, row_work
 from data.format import INDEX_DTYPE, TOKEN_DTYPE, DataError, check_shard, read_manifest
 
 IGNORE_INDEX = -100
@@ -214,12 +217,14 @@ def concat_rows(parts: list[Batch]) -> Batch:
 
 class TokenLoader:
     def __init__(self, dataset: ShardDataset, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0, document_mask: bool = True):
+                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0, document_mask: bool = True,
+                 balance: bool = False):
         if global_batch % (micro_batch * dp_world) != 0:
             raise DataError(f"global batch of {global_batch} sequences is not divisible by micro_batch={micro_batch}"
                             f" x dp_world={dp_world}")
         self.ds, self.T, self.G, self.M = dataset, seq_len, global_batch, micro_batch
         self.rank, self.world, self.seed, self.document_mask = dp_rank, dp_world, seed, document_mask
+        self.balance = balance and document_mask and dp_world > 1  # without documents every row costs the same
         self.num_instances = (dataset.num_tokens - 1) // seq_len
         self.batches_per_epoch = self.num_instances // global_batch  # may be 0 for an eval-only loader
         self.batches_consumed = 0
@@ -255,10 +260,11 @@ class TokenLoader:
         """This rank's micro-batches of global batch b and the global batch's target count (all ranks: from
         the instance ids alone, so no communication). Does not move the position: safe on a prefetch thread."""
         inst = self.global_batch_instances(b)
-        per_rank = self.G // self.world
-        mine = inst[self.rank * per_rank:(self.rank + 1) * per_rank]
-        micro = [self._make_batch(mine[j:j + self.M]) for j in range(0, per_rank, self.M)]
-        return StepData(micro, int(self._valid_lengths(inst).sum()))
+        valid = self._valid_lengths(inst)
+        work = np.array([row_work(self.ds, i, self.T, n) for i, n in zip(inst, valid)]) if self.balance else None
+        mine = inst[rank_rows(self.G, self.rank, self.world, work)]
+        micro = [self._make_batch(mine[j:j + self.M]) for j in range(0, len(mine), self.M)]
+        return StepData(micro, int(valid.sum()))
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches of the next global batch."""

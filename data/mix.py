@@ -7,8 +7,8 @@ a synthetic source's row p is window p of its episode stream. Global batch b ass
 systematic sampling from `default_rng([seed, b, MIX_STREAM])`: G evenly spaced points with one random offset over
 the cumulative weights (each source gets floor or ceil of G x share rows), in a random order; the k-th row of
 source s in the batch is that source's row `rows_s(b) + k`, where rows_s(b) counts its rows before batch b. The
-global batch is the same for any number of data-parallel ranks (rank r takes its contiguous slice), and the
-state, (batches consumed, every source's rows consumed), resumes exactly.
+global batch is the same for any number of data-parallel ranks (rank r takes its contiguous slice, or with
+`balance` the rows `data.balance.assign_rows` deals it by work, as in `TokenLoader`), and the state, (batches consumed, every source's rows consumed), resumes exactly.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 
+from data.balance import rank_rows, row_work
 from data.format import DataError
 from data.loader import Batch, StepData, TokenLoader, concat_rows, rows_batch, valid_lengths
 
@@ -56,7 +57,8 @@ class MixLoader:
     """`TokenLoader`'s interface (step_data, next_step, batches_consumed, state_dict) over weighted sources."""
 
     def __init__(self, sources: list[MixSource], seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0, document_mask: bool = True):
+                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0, document_mask: bool = True,
+                 balance: bool = False):
         if global_batch % (micro_batch * dp_world) != 0:
             raise DataError(f"global batch of {global_batch} sequences is not divisible by micro_batch={micro_batch}"
                             f" x dp_world={dp_world}")
@@ -65,6 +67,7 @@ class MixLoader:
                             f"{[(s.name, s.weight) for s in sources]}")
         self.sources, self.T, self.G, self.M = sources, seq_len, global_batch, micro_batch
         self.rank, self.world, self.seed, self.document_mask = dp_rank, dp_world, seed, document_mask
+        self.balance = balance and document_mask and dp_world > 1
         for s in sources:
             s.bind(seq_len)
         w = np.array([s.weight for s in sources], dtype=np.float64)
@@ -110,16 +113,17 @@ class MixLoader:
         """This rank's micro-batches of global batch b and its target count (every rank computes the same).
         Does not move the position: safe on a prefetch thread."""
         src, row = self._global_rows(b)
-        inst = np.empty(self.G, np.int64)
-        targets = 0
+        inst, valid = np.empty(self.G, np.int64), np.empty(self.G, np.int64)
         for s, source in enumerate(self.sources):
             mine = np.flatnonzero(src == s)
             inst[mine] = source.instances(row[mine])
-            targets += int(valid_lengths(source.ds, inst[mine], self.T).sum())
-        per_rank = self.G // self.world
-        lo = self.rank * per_rank
-        micro = [self._rows_of(src[g:g + self.M], inst[g:g + self.M]) for g in range(lo, lo + per_rank, self.M)]
-        return StepData(micro, targets)
+            valid[mine] = valid_lengths(source.ds, inst[mine], self.T)
+        work = np.array([row_work(self.sources[s].ds, i, self.T, n) for s, i, n in zip(src, inst, valid)]) \
+            if self.balance else None
+        mine = rank_rows(self.G, self.rank, self.world, work)
+        src, inst = src[mine], inst[mine]
+        micro = [self._rows_of(src[j:j + self.M], inst[j:j + self.M]) for j in range(0, len(mine), self.M)]
+        return StepData(micro, int(valid.sum()))
 
     def _rows_of(self, src: np.ndarray, inst: np.ndarray) -> Batch:
         """One micro-batch: row r is window inst[r] of source src[r]."""

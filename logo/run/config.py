@@ -107,6 +107,10 @@ class DataConfig:
     tokenizer: str = "cl100k_base"
     seed: int = 1234
     document_mask: bool = True
+    # Deal each global batch's rows to the data-parallel ranks by attention work inside documents, so that the
+    # ranks finish a step together (data/balance.py); false: rank r takes the r-th contiguous slice. The global
+    # batch and its gradient are the same either way.
+    balance: bool = True
     prefetch: bool = True  # build the next steps' batches on a background thread (pinned memory on CUDA)
 
 

@@ -108,10 +108,10 @@ def build_loader(cfg: Config, seq_len: int, global_batch: int, micro_batch: int,
     d = cfg.data
     if d.kind == "mix":
         return MixLoader(mix_sources(cfg, rank, world), seq_len, global_batch, micro_batch, data_rank, data_world,
-                         d.seed, d.document_mask)
+                         d.seed, d.document_mask, d.balance)
     path = default_corpus(cfg, rank, world) if d.kind == "default" else Path(d.path)
     return TokenLoader(open_corpus(cfg, "data", path), seq_len, global_batch, micro_batch, data_rank, data_world,
-                       d.seed, d.document_mask)
+                       d.seed, d.document_mask, d.balance)
 
 
 def describe_loader(cfg: Config, loader) -> list[dict]:
