@@ -103,3 +103,26 @@ def test_context_parallel_balance_of_the_two_splits():
     pieces = split_documents(cu, 2)
     total = sum(document_work.causal_work(p[:, 0], p[:, 1], cu[p[:, 2]]) for p in pieces)
     assert total == sum(L * (L + 1) / 2 for L in np.diff(cu))
+
+
+def test_sync_stacks_names_the_frames_and_refuses_a_cpu_run(capsys):
+    """The sync debug warnings are counted by stack (frames of this project), other warnings pass through; the
+    script needs CUDA and says so in one line."""
+    import warnings
+
+    from sync_stacks import SyncStacks, main
+
+    stacks = SyncStacks()
+    passed = []
+    stacks._show = lambda *a, **k: passed.append(a[0])
+
+    def caller():
+        stacks("called a synchronizing CUDA operation", UserWarning, "x.py", 1)
+    for _ in range(3):
+        caller()
+    stacks("something else", UserWarning, "x.py", 1)
+    (stack, n), = stacks.counts.items()
+    assert n == 3 and "test_benchmarks_dp.py" in stack and "caller" in stack and passed == ["something else"]
+    with warnings.catch_warnings():
+        assert main(["--", "model=tiny", "parallel.device=cpu"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err

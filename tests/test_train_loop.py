@@ -38,6 +38,11 @@ def test_run_writes_metrics_plan_config_and_checkpoints(straight):
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert rows[-1]["lr"] == pytest.approx(plan_lr_min(d))  # cosine reaches the stage floor at the last step
     plan = json.loads((d / "plan.json").read_text())
+    from logo.train.plan import Plan
+    from logo.train.trainer import lr_factor
+    # each record is its own step's, though the loop reads a logging step's figures one step later
+    assert [r["lr"] for r in rows] == pytest.approx([plan["lr"] * lr_factor(s - 1, Plan(**plan)) for s in range(1, N + 1)])
+    assert rows[-1]["tokens"] == N * plan["global_batch_tokens"]
     assert (plan["steps"], plan["micro_batch"], plan["grad_accum"], plan["global_batch_tokens"]) == (N, 2, 2, 256)
     assert (d / "config.yaml").exists() and (d / "ratio_heatmap.png").exists()
     ckpts = sorted(x.name for x in (d / "checkpoints").iterdir())

@@ -11,7 +11,7 @@ from conftest import TINY_RUN, run_train
 from data.loader import Batch, StepData
 from logo.config import AttentionConfig, model_config
 from logo.model import BudgetController, Transformer
-from logo.train.step import (DivergenceMonitor, TrainingDiverged, make_optimizer, optimizer_step, read_back,
+from logo.train.step import (DivergenceMonitor, Readout, TrainingDiverged, make_optimizer, optimizer_step, read_back,
                              train_step)
 
 CPU = torch.device("cpu")
@@ -147,15 +147,22 @@ def test_step_makes_no_host_sync_on_cuda(kind, documents):
         cu = torch.tensor([0, 7, T, T + 20, 2 * T], dtype=torch.int32)
         mbs = [Batch(mb.inputs, mb.labels, cu, mb.valid) for mb in mbs]
     data = StepData([mb.pin_memory() for mb in mbs], 4 * T)
+    readouts = []
     for step in (1, 2, 3):
         torch.cuda.set_sync_debug_mode("default" if step == 1 else "error")
         try:
             out = train_step(model, data, device=dev, autocast=torch.autocast("cuda", dtype=torch.bfloat16),
                              ctrl=ctrl, grad_clip=1.0, world=1, data_parallel=False)
             optimizer_step(opt, sched, ctrl, out, monitor, step)
+            figures = ctrl.figures()  # the loop's record of a logging step, staged without a sync
+            readouts.append((Readout(out, monitor, figures), read_back(out, monitor) if step == 1 else None))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert read_back(out, monitor)[2][0] == 0
+    (first, synced), *_ = readouts
+    assert first.values()[:3] == synced  # read after two more steps: still step 1's values
+    if kind == "logo":
+        assert ctrl.metrics_of(readouts[-1][0].values()[3]) == ctrl.metrics()
 
 
 @pytest.mark.gpu
@@ -184,3 +191,19 @@ def test_cuda_graph_blocks_accumulate_gradients(kind):
     assert got == pytest.approx(want, rel=2e-2)
     for n in w_want:  # each AdamW step moves a weight by about lr at most: 3 steps apart by at most ~2 x 3 lr
         assert (w_got[n] - w_want[n]).abs().max() <= 6e-3, n
+
+
+def test_a_readout_holds_its_steps_values_after_the_sources_change():
+    """The loop reads a logging step's figures one step later: the readout is a copy taken at the step."""
+    from logo.train.step import StepOutput
+    out = StepOutput(loss_sum=torch.tensor(6.0), n_tokens=torch.tensor(2.0), grad_norm=torch.tensor(0.5))
+    monitor = DivergenceMonitor(torch.device("cpu"))
+    extra = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    r = Readout(out, monitor, extra)
+    out.loss_sum.fill_(18.0)
+    out.grad_norm.fill_(9.0)
+    monitor.state.fill_(7.0)
+    extra.fill_(0.0)
+    loss, gnorm, diverged, rest = r.values()
+    assert (loss, gnorm, diverged, rest.tolist()) == (3.0, 0.5, [0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0])
+    assert read_back(out, monitor) == (9.0, 9.0, [7.0, 7.0, 7.0])

@@ -191,15 +191,24 @@ class BudgetController:
         return s[:, 0] / s[:, 1].clamp_min(1)
 
     def metrics(self) -> dict[str, float]:
-        """Per-layer ratios (last step and window), threshold, gate mean/std and fraction within gamma of b,
-        integral term (quantile), and the realized global-attention FLOPs fraction. One host sync."""
+        """`metrics_of` the current figures. One host sync."""
+        figures = self.figures()
+        return {} if figures is None else self.metrics_of(figures.cpu())
+
+    def figures(self) -> Optional[torch.Tensor]:
+        """(L, 8) per-layer figures of the last step on the device, a copy (no sync): selected, valid, gate sum and
+        sum of squares, near-threshold count, window ratio, threshold, integral term; None before the first step."""
         if not self.layers or self._last is None:
-            return {}
+            return None
         last = self._last[:, :NEAR + 1]
+        return torch.cat((last, self.window_ratios()[:, None].to(last), self.thresholds().to(last)[:, None],
+                          self._integral[:, None].to(last)), 1)
+
+    def metrics_of(self, figures: torch.Tensor) -> dict[str, float]:
+        """Per-layer ratios (last step and window), threshold, gate mean/std and fraction within gamma of b,
+        integral term (quantile), and the realized global-attention FLOPs fraction, from `figures()` on the host."""
         L = len(self.layers)
-        host = torch.cat((last, self.window_ratios()[:, None], self.thresholds().to(last)[:, None],
-                          self._integral[:, None].to(last)), 1).cpu()  # (L, 8)
-        sel, valid, psum, psq, near, win, th, integral = host.unbind(1)
+        sel, valid, psum, psq, near, win, th, integral = figures.reshape(L, 8).unbind(1)
         n = valid.clamp_min(1)
         ratio, mean = sel / n, psum / n
         std = (psq / n - mean ** 2).clamp_min(0).sqrt()

@@ -4,8 +4,8 @@
 tensors; `optimizer_step` applies the update on the device unless the step's loss or gradient norm is not
 finite: fused AdamW's `found_inf` skips the update inside the kernel (parameters, moments and step count
 unchanged), the LoGo controller leaves its thresholds and state unchanged, and `DivergenceMonitor` remembers the first such step. The loop
-reads these tensors on the host only at logging and checkpoint steps (`read_back`), where
-`DivergenceMonitor.check` raises `TrainingDiverged` naming that step.
+reads these tensors on the host only at logging and checkpoint steps (`Readout`: at a logging step one step
+later, while the next step runs), where `DivergenceMonitor.check` raises `TrainingDiverged` naming that step.
 
 Every phase is a `torch.profiler.record_function` range named `logo/<phase>` (benchmarks/profile_step.py
 attributes GPU time and host syncs to them); outside a profiler a range costs about a microsecond.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Optional
 from collections.abc import Callable
 import torch
 import torch.distributed as dist
@@ -175,15 +176,41 @@ def optimizer_step(opt: torch.optim.Optimizer, sched, ctrl, out: StepOutput, mon
     monitor.record(step, bad, out)
 
 
+class Readout:
+    """A step's device values on their way to the host: loss, grad norm, the divergence state and `extra` values
+    (the controller's figures), gathered into one copy (later steps may change the sources in place) and copied
+    to pinned host memory behind an event, with no host sync. `values()` waits for the copy: the training loop
+    asks one step later, when the next step's kernels keep the GPU busy while the host reads."""
+
+    def __init__(self, out: StepOutput, monitor: DivergenceMonitor, extra: Optional[torch.Tensor] = None):
+        parts = [out.loss.double().reshape(1), out.grad_norm.double().reshape(1), monitor.state]
+        vals = torch.cat(parts + ([extra.double().flatten()] if extra is not None else []))
+        self.done = None
+        if vals.is_cuda:
+            self.host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            self.host.copy_(vals, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = vals
+
+    def values(self) -> tuple[float, float, list[float], torch.Tensor]:
+        """(loss, grad norm, divergence state, extra values (host tensor))."""
+        if self.done is not None:
+            self.done.synchronize()
+        v = self.host
+        return float(v[0]), float(v[1]), v[2:5].tolist(), v[5:]
+
+
 def read_back(out: StepOutput, monitor: DivergenceMonitor) -> tuple[float, float, list[float]]:
-    """(loss, grad norm, divergence state) on the host: one host sync."""
-    vals = torch.cat((out.loss.double().reshape(1), out.grad_norm.double().reshape(1), monitor.state)).tolist()
-    return vals[0], vals[1], vals[2:]
+    """(loss, grad norm, divergence state) on the host now: one host sync."""
+    return Readout(out, monitor).values()[:3]
 
 
 class StepTimer:
     """Wall time of each step on the device's timeline: CUDA events at step boundaries (no sync), or the host
-    clock on CPU. `durations()` is called after a host sync, when the events are complete."""
+    clock on CPU. `take()` hands over the marks since the last call; `elapsed` of them once they are complete
+    (after a host sync or a later event's)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -205,12 +232,19 @@ class StepTimer:
         """End of a step."""
         self.marks.append(self._now())
 
+    def take(self) -> list:
+        """The marks of the steps since the last call (the last one stays as the next interval's start)."""
+        marks, self.marks = self.marks, self.marks[-1:]
+        return marks
+
+    def elapsed(self, marks: list) -> list[float]:
+        """Seconds of each step between `take()`'s marks."""
+        a, b = marks[:-1], marks[1:]
+        return [x.elapsed_time(y) / 1e3 for x, y in zip(a, b)] if self.cuda else [y - x for x, y in zip(a, b)]
+
     def durations(self) -> list[float]:
-        """Seconds of each step marked since the last call."""
-        a, b = self.marks[:-1], self.marks[1:]
-        out = [x.elapsed_time(y) / 1e3 for x, y in zip(a, b)] if self.cuda else [y - x for x, y in zip(a, b)]
-        self.marks = self.marks[-1:]
-        return out
+        """Seconds of each step marked since the last call (its events must be complete)."""
+        return self.elapsed(self.take())
 
 
 def spread(durations: list[float]) -> dict[str, float]:

@@ -54,8 +54,8 @@ from logo.train.peers import PeerWatch, record_peers
 from logo.train.plan import Plan, make_plan, planned_run_dir
 from logo.train.rundir import RunDirLocked, RunLock, check_prior_run, config_drift
 from logo.train.state import TrainState
-from logo.train.step import (DivergenceMonitor, StepTimer, TrainingDiverged, make_optimizer, optimizer_step, phase,
-                             read_back, spread, train_step)
+from logo.train.step import (DivergenceMonitor, Readout, StepTimer, TrainingDiverged, make_optimizer, optimizer_step,
+                             phase, read_back, spread, train_step)
 
 log = logging.getLogger("logo")
 COMM_TRACES = "comm_traces"  # the NCCL flight recorder's dumps, in the run directory
@@ -222,13 +222,17 @@ def _peak_memory_gib(device: torch.device, group) -> float:
     return peak
 
 
-def _threshold_spread(ctrl: BudgetController) -> float:
-    """max over layers of (max - min over ranks) of the threshold: 0 when every rank holds the same values."""
+def _threshold_spread(ctrl: BudgetController) -> torch.Tensor:
+    """(1,) on the device: max over layers of (max - min over ranks) of the threshold, 0 when every rank holds the
+    same values (two all-reduces, no host sync; `_check_spread` reads it)."""
     th = ctrl.thresholds()
     hi, lo = th.clone(), th.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    spread = float((hi - lo).max())
+    return (hi - lo).max().reshape(1)
+
+
+def _check_spread(spread: float) -> float:
     if spread != 0.0:
         raise RuntimeError(f"LoGo thresholds differ across data-parallel ranks by {spread}: the budget "
                            f"controller must apply identical updates on every rank")
@@ -376,31 +380,61 @@ class _StepLog:
             elif mb.cu_seqlens.device.type == "cpu":
                 self.documents.append(np.diff(mb.cu_seqlens.numpy()))
 
-    def record(self, step: int, loss: float, grad_norm: float, lr: float, durations: list, evaluated: dict,
-               saves: list) -> dict:
-        plan = self.plan
-        elapsed = sum(durations) or float("nan")
-        m = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
-             "tokens_per_s": len(durations) * plan.global_batch_tokens / elapsed,
-             "tokens": step * plan.global_batch_tokens, **spread(durations)}
-        m["memory_gib"] = _peak_memory_gib(self.device, self.host_group)
-        m.update(self.ctrl.metrics())
+    def stage(self, step: int, out, monitor: DivergenceMonitor, lr: float, timer: StepTimer) -> _Pending:
+        """Start the record of logging step `step`: its device figures (loss, grad norm, divergence state, the
+        controller's figures, the thresholds' spread over ranks) on their way to the host, no host sync."""
+        figures = self.ctrl.figures()  # (L, 8) or None
+        extra = [] if figures is None else [figures.double().flatten()]
+        if self.world > 1 and self.ctrl.layers:
+            extra.append(_threshold_spread(self.ctrl).double())
         docs = np.concatenate(self.documents) if self.documents else None
         self.documents.clear()
+        return _Pending(step, lr, Readout(out, monitor, torch.cat(extra) if extra else None), timer.take(),
+                        0 if figures is None else figures.numel(), docs, self.data_metrics())
+
+    def finish(self, pending: _Pending, timer: StepTimer, evaluated: dict, saves: list, last_good) -> dict:
+        """The record of a staged logging step: waits for its figures, raises `TrainingDiverged` if a step up to
+        it diverged (`last_good()`: the checkpoint to name), writes the metrics (rank 0) and returns them (every
+        rank: the collectives)."""
+        plan = self.plan
+        with phase("sync"):
+            loss, grad_norm, diverged, extra = pending.readout.values()
+        DivergenceMonitor.check(diverged, last_good)
+        durations = timer.elapsed(pending.marks)
+        elapsed = sum(durations) or float("nan")
+        m = {"loss": loss, "lr": pending.lr, "grad_norm": grad_norm,
+             "tokens_per_s": len(durations) * plan.global_batch_tokens / elapsed,
+             "tokens": pending.step * plan.global_batch_tokens, **spread(durations)}
+        m["memory_gib"] = _peak_memory_gib(self.device, self.host_group)
+        n_fig = pending.n_figures
+        if n_fig:
+            m.update(self.ctrl.metrics_of(extra[:n_fig]))
         if self.peak:  # attention FLOPs over this rank's documents, the LoGo layers at the last step's ratios
             m["mfu"] = mfu(self.model_cfg, plan.seq_len, plan.params_non_embedding, m["tokens_per_s"],
-                           self.peak * self.world, realized_ratios(m), docs)
+                           self.peak * self.world, realized_ratios(m), pending.documents)
         m.update(evaluated)  # held-out loss when it was due at this step
-        m.update(self.data_metrics())  # a mixture's tokens per source
+        m.update(pending.data)  # a mixture's tokens per source
         if saves:  # the latest save finished since the last logged step (each one is also on the console)
             m.update(saves[-1].metrics())
         if self.world > 1 and self.ctrl.layers:
-            m["logo/threshold_spread"] = _threshold_spread(self.ctrl)
+            m["logo/threshold_spread"] = _check_spread(float(extra[n_fig]))
         if self.metrics_log is not None:
-            self.metrics_log.log(step, m, heatmap=step % self.metrics_log.cfg.heatmap_interval == 0)
-            line = console_line(step, plan.steps, m)
+            self.metrics_log.log(pending.step, m, heatmap=pending.step % self.metrics_log.cfg.heatmap_interval == 0)
+            line = console_line(pending.step, plan.steps, m)
             (self.bar.write(line) if self.bar is not None else print(line, flush=True))
         return m
+
+
+@dataclass
+class _Pending:
+    """A logging step whose record `_StepLog.stage` started: its figures on their way to the host."""
+    step: int
+    lr: float
+    readout: Readout
+    marks: list  # the step timer's marks of the steps since the last record
+    n_figures: int  # the controller's figures among the readout's extra values (0: none yet)
+    documents: Optional[np.ndarray]  # this rank's document lengths of the steps since the last record (MFU)
+    data: dict  # the data's own metrics at the step (a mixture's tokens per source)
 
 
 def _train(cfg: Config, resolved: dict, plan: Plan, device: torch.device, rank: int, world: int, loss_impl: str,
@@ -537,6 +571,15 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
     last_save = time.monotonic()
     start_step, t_start = state.step, time.monotonic()
     peer_watch = PeerWatch().arm()
+    pending = None  # a logging step whose record is read at the next step
+
+    def _finish_record(staged, evaluated: dict) -> dict:
+        with phase("log"):
+            m = step_log.finish(staged, timer, evaluated, ckpt.take_stats(), lambda: _last_good(ckpt))
+            if rank == 0:
+                b.watch.check(staged.step, m)
+        return m
+
     try:
         while state.step < plan.steps:
             with phase("data"):
@@ -561,6 +604,9 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
             timer.mark()
             if bar is not None:
                 bar.update(1)
+            if pending is not None:  # the last logging step's record, read while this step keeps the GPU busy
+                last = _finish_record(pending, {})
+                pending = None
 
             ckpt.poll()  # a finished background write becomes latest
             with phase("stop_check"):
@@ -573,22 +619,25 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
             last_step = step == plan.steps
             save_now = ck.enable and (step % ck.interval == 0 or (last_step and save_final) or stop_now or time_due
                                       or milestone)
-            if log_now or save_now:  # the only host syncs of the loop: loss, grad norm, divergence state
-                with phase("sync"):
-                    loss, grad_norm, diverged = read_back(out, monitor)
-                DivergenceMonitor.check(diverged, lambda: _last_good(ckpt))  # before any save of a skipped step
+            # The loop's only host syncs: a logging step's figures (loss, grad norm, divergence state, the
+            # controller's) are read one step later, while the next step runs, unless the step saves, evaluated,
+            # stops or ends the run: then at once (a save must follow the divergence check of its step).
+            if log_now:
+                with phase("log"):
+                    pending = step_log.stage(step, out, monitor, lr, timer)
+            at_once = save_now or bool(evaluated) or last_step or stop_now
             if save_now:
+                with phase("sync"):
+                    diverged = pending.readout.values()[2] if pending is not None else read_back(out, monitor)[2]
+                DivergenceMonitor.check(diverged, lambda: _last_good(ckpt))
                 with phase("checkpoint"):
                     gc.collect()
                     ckpt.save(step, b.model, b.opt, state.state_dict(), milestone=milestone,
                               wait=last_step or stop_now)
                 last_save = time.monotonic()
-            if log_now:
-                with phase("log"):
-                    last = step_log.record(step, loss, grad_norm, lr, timer.durations(), evaluated,
-                                           ckpt.take_stats())
-                    if rank == 0:
-                        b.watch.check(step, last)
+            if pending is not None and at_once:
+                last = _finish_record(pending, evaluated)
+                pending = None
             if evaluated or save_now:
                 timer.restart()  # neither the held-out evaluation nor the save is part of the next step's time
             if cfg.train.gc_interval and step % cfg.train.gc_interval == 0:
