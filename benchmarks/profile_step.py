@@ -243,7 +243,9 @@ def format_summary(s: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for traces, summaries and the run directory")
-    ap.add_argument("--warmup", type=int, default=3, help="steps before recording (compilation, warm-up)")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="steps before recording (compilation, warm-up); replicated data parallelism: 10 or more "
+                         "(DDP times its first ten iterations with host syncs)")
     ap.add_argument("--steps", type=int, default=3, help="steps recorded")
     ap.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = ap.parse_args(argv)
