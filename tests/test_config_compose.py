@@ -177,3 +177,15 @@ def test_run_dir_is_deterministic():
     assert make_plan(c, 1).run_dir == make_plan(c, 8).run_dir == str(Path("runs") / "scaling-470m_logo-pretrain_8k")
     assert make_plan(to_dataclass(compose_cfg("run.name=abc")), 1).run_dir == str(Path("runs") / "abc")
     assert make_plan(to_dataclass(compose_cfg("run.dir=/x/y")), 1).run_dir == "/x/y"
+
+
+def test_bf16_reduction_of_replicated_weights_needs_a_gpu():
+    """DDP reduces in bf16 through NCCL only: a CPU plan with replicated weights refuses it in one line (FSDP2's
+    bf16 reduction runs on gloo too)."""
+    from logo.config import ConfigError
+    args = ("model=tiny", "stage.seq_len=64", "stage.global_batch_tokens=256", "train.micro_batch=1",
+            "parallel.reduce_dtype=bf16")
+    with pytest.raises(ConfigError, match=r"^invalid config parallel.reduce_dtype='bf16': replicated data "
+                                          r"parallelism reduces in bf16 through NCCL only"):
+        _plan(*args, "parallel.data_parallel=replicate", "parallel.device=cpu", world=2)
+    assert _plan(*args, "parallel.data_parallel=shard", "parallel.device=cpu", world=2).data_parallel == "shard"

@@ -33,6 +33,7 @@ def load(*overrides):
     (["model.attention.rho=0.3"], "model.attention"),
     (["parallel.reshard_after_forward=sometimes"], "parallel.reshard_after_forward"),
     (["parallel.reduce_dtype=fp16"], "parallel.reduce_dtype"),
+    (["parallel.bucket_mb=0"], "parallel.bucket_mb"),
     (["parallel.forward_prefetch=-1"], "parallel.forward_prefetch"),
     (["parallel.backward_prefetch=9"], "parallel.backward_prefetch"),
     (["eval.interval=-1"], "eval.interval"),

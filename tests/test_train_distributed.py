@@ -17,6 +17,7 @@ OPTIONS = {  # name: (overrides, relative tolerance of loss and grad norm vs the
     "always_implicit_sync_data": (["parallel.reshard_after_forward=always", "parallel.forward_prefetch=0",
                                    "parallel.backward_prefetch=0", "data.prefetch=false"], 1e-4),
     "replicate_accumulating": (["parallel.data_parallel=replicate", "train.micro_batch=1"], 1e-4),
+    "replicate_small_buckets": (["parallel.data_parallel=replicate", "parallel.bucket_mb=1"], 1e-4),
 }
 
 
@@ -59,3 +60,4 @@ def test_torchrun_fsdp_matches_single_process(single, tmp_path, name):
     assert b[-1]["eval/loss"] == pytest.approx(a[-1]["eval/loss"], rel=1e-4)
     ck = sorted(x.name for x in (dist / "checkpoints").iterdir())
     assert ck[-1] == f"step_{STEPS:08d}" and (dist / "checkpoints" / ck[-1] / ".metadata").exists()
+

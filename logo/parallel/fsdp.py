@@ -68,17 +68,16 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
             unit.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + backward_prefetch])
 
 
-DDP_BUCKET_MB = 100  # gradient all-reduce buckets: few enough launches, small enough to overlap the backward
-
-
-def apply_ddp(model: torch.nn.Module, dp_mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32) -> None:
+def apply_ddp(model: torch.nn.Module, dp_mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32,
+              bucket_mb: int = 100) -> None:
     """Replicated data parallelism over dp_mesh (composable DDP: parameter names unchanged). reduce_dtype bf16:
-    gradients all-reduced in bf16 (half the bytes) through DDP's compression hook."""
+    gradients all-reduced in bf16 (half the bytes) through DDP's compression hook; bucket_mb: MiB of gradients
+    per all-reduce."""
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     device = next(model.parameters()).device
     on_gpu = {"device_id": device} if device.type == "cuda" else {}
-    replicate(model, process_group=dp_mesh.get_group(), bucket_cap_mb=DDP_BUCKET_MB, gradient_as_bucket_view=True,
+    replicate(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
               broadcast_buffers=False, **on_gpu)
     if reduce_dtype == torch.bfloat16:
         model.register_comm_hook(dp_mesh.get_group(), default_hooks.bf16_compress_hook)
@@ -119,7 +118,7 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
     checkpointing, compile, then data parallelism over dp_mesh (the flattened dp_shard x cp mesh), each when there
     is one. data_parallel: "shard" (FSDP2, weights in param_dtype) or "replicate" (DDP; the caller runs the forward
     under autocast, as on one GPU). `fsdp`: keyword options of `apply_fsdp` (reduce_dtype, reshard_after_forward,
-    forward/backward_prefetch); replicate takes its reduce_dtype.
+    forward/backward_prefetch) and bucket_mb; replicate takes reduce_dtype and bucket_mb.
     compile_mode: torch.compile's mode for the blocks (train.compile_mode; reduce-overhead replays them as CUDA graphs, one device only)."""
     if compile_blocks and compile_mode == "reduce-overhead" and (dp_mesh is not None or tp_mesh is not None):
         raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device only: FSDP and tensor "
@@ -142,14 +141,15 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
         options = block_compile_options(compile_mode)
         for block in model.layers.values():
             block.compile(options=options)
+    opts = dict(fsdp or {})
+    bucket_mb = opts.pop("bucket_mb", 100)
     if dp_mesh is not None and data_parallel == "replicate":
-        reduce = (fsdp or {}).get("reduce_dtype", torch.float32)
-        apply_ddp(model, dp_mesh, reduce)
+        reduce = opts.get("reduce_dtype", torch.float32)
+        apply_ddp(model, dp_mesh, reduce, bucket_mb)
         if dist.get_rank() == 0:
             log.info("DDP data parallel over %d ranks (whole weights, gradients all-reduced in %s)", dp_mesh.size(),
                      str(reduce).removeprefix("torch."))
     elif dp_mesh is not None:
-        opts = dict(fsdp or {})
         apply_fsdp(model, dp_mesh, param_dtype, **opts)
         if dist.get_rank() == 0:
             reduce = opts.get("reduce_dtype", torch.float32)

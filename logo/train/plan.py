@@ -162,6 +162,9 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
     device = device or default_device(cfg)
     data_parallel = data_parallel_mode(cfg.model, s.seq_len, micro, dims.dp, dims.cp, dims.tp,
                                        cfg.parallel.data_parallel, gpu_memory_gib(device), t.activation_checkpointing)
+    if data_parallel == "replicate" and cfg.parallel.reduce_dtype == "bf16" and torch.device(device).type != "cuda":
+        raise ConfigError("invalid config parallel.reduce_dtype='bf16': replicated data parallelism reduces in bf16 "
+                          "through NCCL only (GPUs); use fp32 on this device, or parallel.data_parallel=shard")
     name = run_name(cfg, attention_name or cfg.model.attention.kind)
     run_dir = planned_run_dir(cfg, attention_name)
     return Plan(run_name=name, run_dir=run_dir, world_size=world_size, dp=dims.dp, tp=dims.tp, cp=dims.cp,

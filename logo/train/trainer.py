@@ -206,7 +206,7 @@ def _fsdp_options(cfg: Config) -> dict:
     p = cfg.parallel
     return dict(reduce_dtype=torch.bfloat16 if p.reduce_dtype == "bf16" else torch.float32,
                 reshard_after_forward=p.reshard_after_forward, forward_prefetch=p.forward_prefetch,
-                backward_prefetch=p.backward_prefetch)
+                backward_prefetch=p.backward_prefetch, bucket_mb=p.bucket_mb)
 
 
 def _peak_memory_gib(device: torch.device, group) -> float:
