@@ -8,7 +8,9 @@ the next kernels. `benchmarks/profile_step.py` counts the syncs per phase; this 
 
 Calls made outside torch (a library's own cudaMemcpy) are not seen; stacks without a frame of ours come from
 autograd's backward thread. The run's own reads at logging steps count too: pick a logging interval past the
-recorded steps to leave them out. Prints the stacks, most frequent first, and writes --out as JSON if given.
+recorded steps to leave them out. Under torchrun every rank does the same (replicated data parallelism: skip
+DDP's first ten iterations, which it times with syncs: --warmup 11). Prints the stacks, most frequent first, and
+writes --out as JSON if given (one file per rank under torchrun).
 """
 from __future__ import annotations
 
@@ -101,8 +103,11 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['per_step']:6.2f}/step  {r['stack']}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"overrides": args.overrides, "steps": args.steps, "stacks": rows},
-                                             indent=1))
+        out, rank = Path(args.out), int(os.environ.get("RANK", "0"))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one file per rank
+            out = out.with_name(f"{out.stem}_rank{rank}{out.suffix}")
+        out.write_text(json.dumps({"overrides": args.overrides, "rank": rank, "steps": args.steps, "stacks": rows},
+                                  indent=1))
     return 0
 
 
