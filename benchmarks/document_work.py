@@ -42,12 +42,9 @@ def window_documents(cfg, max_windows: int):
 
 def window_work(cfg, max_windows: int) -> np.ndarray:
     """(n,) causal attention work of each training window inside its documents, relative to the whole window."""
+    from data.balance import segment_work
     T = cfg.stage.seq_len
-    out = []
-    for cu in window_documents(cfg, max_windows):
-        lengths = np.diff(cu)
-        out.append(float((lengths * (lengths + 1) / 2).sum() / (T * (T + 1) / 2)))
-    return np.array(out)
+    return np.array([segment_work(cu) / (T * (T + 1) / 2) for cu in window_documents(cfg, max_windows)])
 
 
 def causal_work(starts: np.ndarray, lengths: np.ndarray, doc_starts: np.ndarray) -> float:

@@ -174,10 +174,11 @@ def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, p
     rows, lengths = halos[rank]
     cp_e = len(pieces) * E
     halo_kv = np.where(owner[rows] == rank, cp_e + place[rows], slot[rows])
-    starts = np.concatenate(([0], np.cumsum(lengths + mine[:, 1])[:-1]))  # each [halo, piece] sequence's offset
+    cu_halo = np.concatenate(([0], np.cumsum(lengths + mine[:, 1])))  # offsets of the [halo, piece] sequences
+    starts = cu_halo[:-1]
     piece_rows = np.arange(n_local)  # the pieces tile the local rows in order
     keep = _spans(starts + lengths, mine[:, 1])  # (N_local,) the piece rows' places in the extended order
-    n_ext = int((lengths + mine[:, 1]).sum())
+    n_ext = int(cu_halo[-1])
     kv = np.empty(n_ext, dtype=np.int64)
     q = np.zeros(n_ext, dtype=np.int64)
     is_halo = np.ones(n_ext, dtype=bool)
@@ -186,7 +187,6 @@ def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, p
     q[keep] = 1 + piece_rows
     export = np.zeros(E, dtype=np.int64)
     export[:len(exports[rank])] = place[exports[rank]]
-    cu_halo = np.concatenate(([0], np.cumsum(lengths + mine[:, 1])))
     keep_of_ext = np.full(n_ext, n_local, dtype=np.int64)  # keep's inverse: each extended row's local row
     keep_of_ext[keep] = piece_rows
     inverses = (gather_inverse(export, n_local, np.arange(E) < len(exports[rank])),  # padding: no one reads it

@@ -68,8 +68,11 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
             unit.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + backward_prefetch])
 
 
+DDP_BUCKET_MB = 100  # default gradient all-reduce bucket (parallel.bucket_mb)
+
+
 def apply_ddp(model: torch.nn.Module, dp_mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32,
-              bucket_mb: int = 100) -> None:
+              bucket_mb: int = DDP_BUCKET_MB) -> None:
     """Replicated data parallelism over dp_mesh (composable DDP: parameter names unchanged). reduce_dtype bf16:
     gradients all-reduced in bf16 (half the bytes) through DDP's compression hook; bucket_mb: MiB of gradients
     per all-reduce."""
@@ -142,7 +145,7 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
         for block in model.layers.values():
             block.compile(options=options)
     opts = dict(fsdp or {})
-    bucket_mb = opts.pop("bucket_mb", 100)
+    bucket_mb = opts.pop("bucket_mb", DDP_BUCKET_MB)
     if dp_mesh is not None and data_parallel == "replicate":
         reduce = opts.get("reduce_dtype", torch.float32)
         apply_ddp(model, dp_mesh, reduce, bucket_mb)

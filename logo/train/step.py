@@ -242,10 +242,6 @@ class StepTimer:
         a, b = marks[:-1], marks[1:]
         return [x.elapsed_time(y) / 1e3 for x, y in zip(a, b)] if self.cuda else [y - x for x, y in zip(a, b)]
 
-    def durations(self) -> list[float]:
-        """Seconds of each step marked since the last call (its events must be complete)."""
-        return self.elapsed(self.take())
-
 
 def spread(durations: list[float]) -> dict[str, float]:
     """Step-time figures of a logging interval (seconds)."""
