@@ -178,6 +178,41 @@ def test_resolve_and_config_errors():
         compose(["train.loss=fused"])
 
 
+_LIGER_INTERPRETED = """
+import torch
+from logo.model import lm_head
+from logo.model.lm_head import lm_loss_sum
+from tests.test_lm_loss import operands, rel_err
+h, w, y = operands(n=48, d=32, v=200)
+res = []
+for loss_fn in (lambda: lm_head.liger_loss_sum(h, w, y), lambda: lm_loss_sum(h @ w.t(), y)):
+    h.grad = w.grad = None
+    loss = loss_fn()
+    (0.37 * loss).backward()
+    res.append((loss.detach(), h.grad.clone(), w.grad.clone()))
+(l1, dh1, dw1), (l2, dh2, dw2) = res
+assert l1.dtype == torch.float32 and dh1.dtype == h.dtype and dw1.dtype == w.dtype
+torch.testing.assert_close(l1, l2, rtol=1e-5, atol=0)
+assert rel_err(dh1, dh2) < 1e-5 and rel_err(dw1, dw2) < 1e-5, (rel_err(dh1, dh2), rel_err(dw1, dw2))
+print("ok")
+"""
+
+
+def test_liger_function_under_the_triton_interpreter():
+    """Our autograd function around liger-kernel's fused forward, its Triton kernels run by the interpreter on
+    CPU (fp32): loss and gradients equal the plain loss's, with a grad_out != 1 scaled in our backward."""
+    pytest.importorskip("liger_kernel")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _LIGER_INTERPRETED], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fsdp_like", [False, True])
@@ -201,3 +236,13 @@ def test_liger_equals_plain_gpu(fsdp_like):
         torch.testing.assert_close(res[impl][0], res["plain"][0], rtol=1e-3, atol=0)
         assert res[impl][1].dtype == h.dtype and res[impl][2].dtype == w.dtype
         assert rel_err(res[impl][1], res["plain"][1]) < 2e-2 and rel_err(res[impl][2], res["plain"][2]) < 2e-2
+    # our backward scales liger's stored gradients on the device: nothing in it waits for the GPU
+    h.grad = w.grad = None
+    with ctx:
+        loss = linear_cross_entropy_sum(h, w, y, "liger")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (0.37 * loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

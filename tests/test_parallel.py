@@ -119,6 +119,8 @@ def test_documents_split_into_balanced_pieces(cp):
         assert torch.equal(g - cu[doc], (lay.piece_offset[piece] + lay.piece_pos).long())
         work.append(torch.zeros(len(cu) - 1, dtype=torch.int64).index_add_(0, doc, g - cu[doc] + 1))
         seen.append(g)
+        moved = lay.to("cpu")  # every tensor field travels (a GPU gets them through pinned memory)
+        assert len(lay.tensors()) == 15 and all(torch.equal(a, b) for a, b in zip(moved.tensors(), lay.tensors()))
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(B * T))
     work = torch.stack(work)  # (cp, documents)
     even = (cu.diff() % (2 * cp) == 0)

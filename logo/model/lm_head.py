@@ -29,7 +29,7 @@ AUTO_LIGER_MIN_LOGITS_GIB = 4.0  # train.loss=auto on CUDA: liger from this size
 
 def liger_available() -> bool:
     try:
-        import liger_kernel.transformers.functional  # noqa: F401
+        import liger_kernel.ops.fused_linear_cross_entropy  # noqa: F401
     except ImportError:
         return False
     return True
@@ -122,10 +122,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        gh, gw = ctx.saved_tensors
-        dh = gh * grad_out.to(gh.dtype) if gh is not None else None
-        dw = (gw * grad_out).to(ctx.w_dtype) if gw is not None else None
-        return dh, dw, None, None, None, None
+        return *_scaled_gradients(ctx, grad_out), None, None, None, None
+
+
+def _scaled_gradients(ctx, grad_out: torch.Tensor):
+    """(dh, dw): the gradients a loss function stored in its forward (ctx.saved_tensors: gh, gw, either None),
+    scaled by the loss's upstream gradient on the device (no host read of grad_out), dw cast to ctx.w_dtype."""
+    gh, gw = ctx.saved_tensors
+    dh = gh * grad_out.to(gh.dtype) if gh is not None else None
+    dw = (gw * grad_out).to(ctx.w_dtype) if gw is not None else None
+    return dh, dw
 
 
 def autocast_operands(h: torch.Tensor, w: torch.Tensor):
@@ -149,12 +155,34 @@ def chunked_loss_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chu
                                                 need and wc.requires_grad)
 
 
+class _LigerLinearCrossEntropy(torch.autograd.Function):
+    """Summed CE of h @ w^T through liger-kernel's fused forward (logits chunk by chunk, gradients taken in the
+    forward, the weight's accumulated in fp32); the backward scales the stored gradients on the device.
+    liger's own backward compares grad_out with 1.0 on the host, which waits for the GPU: this one does not."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, h, w, labels):
+        # h (N, d), w (V, d), labels (N,) int64
+        from liger_kernel.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_forward
+        loss, _, _, _, gh, gw, _ = fused_linear_cross_entropy_forward(
+            _input=h, weight=w, target=labels, ignore_index=IGNORE_INDEX, reduction="sum",
+            accum_dtype=torch.float32)
+        ctx.save_for_backward(gh if h.requires_grad else None, gw if w.requires_grad else None)
+        ctx.w_dtype = w.dtype
+        return loss.float()
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_out):
+        return *_scaled_gradients(ctx, grad_out), None
+
+
 def liger_loss_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """() fp32 summed CE through liger-kernel's fused linear cross-entropy (CUDA). It handles autocast itself;
-    the weight gradient is accumulated in fp32. Note: it reads the number of valid targets on the host."""
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    return liger_fused_linear_cross_entropy(h, w, labels, ignore_index=IGNORE_INDEX, reduction="sum",
-                                            accum_dtype=torch.float32).float()
+    """() fp32 summed CE through liger-kernel's fused linear cross-entropy (CUDA). Autocast applies to its
+    matmuls; the weight gradient is accumulated in fp32. Note: liger's forward reads the number of valid targets
+    on the host (one wait for the GPU per call)."""
+    return _LigerLinearCrossEntropy.apply(h, w, labels)
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,

@@ -22,7 +22,7 @@ run on the local rows like the plain ones):
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import numpy as np
@@ -112,15 +112,15 @@ class CPLayout:
     q_inverse: torch.Tensor
     keep_inverse: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor field, in declaration order."""
+        return tuple(getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor))
+
     def to(self, device) -> CPLayout:
+        """On `device`; to a GPU through page-locked host memory, so the copies do not make the host wait."""
+        pin = torch.device(device).type == "cuda"
         return CPLayout(self.cp, self.window,
-                        *(t.to(device, non_blocking=True) for t in (self.cu_global, self.piece_doc, self.piece_offset,
-                                                                    self.piece_pos, self.gather_index,
-                                                                    self.scatter_index, self.export_index,
-                                                                    self.kv_index, self.q_index, self.keep_index,
-                                                                    self.cu_halo, self.export_inverse,
-                                                                    self.kv_inverse, self.q_inverse,
-                                                                    self.keep_inverse)))
+                        *((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in self.tensors()))
 
 
 def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torch.Tensor, CPLayout]:

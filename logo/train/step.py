@@ -91,7 +91,9 @@ def _context_parallel(model, cpu_mb: Batch, dims, window: int, device: torch.dev
     if dims is None or dims.cp == 1:
         return cpu_mb, None, nullcontext()
     local, positions, layout = shard_batch(cpu_mb, dims.cp, dims.rank("cp"), window)
-    return local, positions.to(device), context_parallel(model, layout.to(device))
+    if device.type == "cuda":  # the shard is built in pageable memory: pin it so its copies are asynchronous
+        local, positions = local.pin_memory(), positions.pin_memory()
+    return local, positions.to(device, non_blocking=True), context_parallel(model, layout.to(device))
 
 
 def train_step(model: torch.nn.Module, data: StepData, *, device: torch.device, autocast, ctrl, grad_clip: float,
