@@ -178,7 +178,37 @@ def analyze(trace: dict, steps: int, device: str, world: int, rank: int) -> dict
                        "by_phase": {p: {"per_step": c / n_steps, "wait_ms": t / per} for p, (c, t) in syncs.items()}},
         "host_phase_ms": _host_phase_ms(host, window, per),
         "top_kernels_ms": _top_kernels(ev, window, per),
+        "host_threads": _host_threads(ev, window, per),
     }
+
+
+def _host_threads(ev, window, per) -> dict:
+    """Per host thread (by its most frequent top-level op's name, then thread id): ms per step inside its
+    top-level torch ops, CUDA API calls per step and their mean duration in us. Two ranks that launch the same
+    work with different host times show here whether each launch is slower (a contended core, another thread
+    holding the GIL) or there are more of them."""
+    ops, calls = defaultdict(list), defaultdict(list)
+    for e in ev:
+        if not window[0] <= e["ts"] <= window[1]:
+            continue
+        if e.get("cat") == "cpu_op":
+            ops[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif e.get("cat") in LAUNCH_CATS:
+            calls[e.get("tid")].append(e["dur"])
+    out = {}
+    for tid in set(ops) | set(calls):
+        busy, end, names = 0.0, -1.0, defaultdict(float)
+        for s, t, name in sorted(ops.get(tid, [])):
+            if s >= end:  # a top-level op of this thread
+                busy += t - s
+                names[name] += t - s
+                end = t
+        durations = calls.get(tid, [])
+        top = max(names, key=names.get) if names else "cuda api only"
+        out[f"{top[:60]} (tid {tid})"] = {
+            "op_ms": busy / per, "api_calls": len(durations) * 1e3 / per,
+            "api_mean_us": sum(durations) / len(durations) if durations else 0.0}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["op_ms"] - kv[1]["api_calls"] * 1e-3)[:6])
 
 
 def _top_kernels(ev, window, per, n: int = 25) -> dict:
@@ -233,6 +263,9 @@ def format_summary(s: dict) -> str:
         lines.append("  host syncs: none on CPU (no device queue)")
     hp = ", ".join(f"{k} {v:.1f}" for k, v in s["host_phase_ms"].items())
     lines.append(f"  host time by phase (ms per step): {hp}")
+    for name, h in s.get("host_threads", {}).items():
+        lines.append(f"  host thread {name}: {h['op_ms']:.1f} ms in torch ops, {h['api_calls']:.0f} CUDA API calls "
+                     f"of {h['api_mean_us']:.1f} us on average per step")
     if s.get("top_kernels_ms"):
         lines.append("  GPU kernels with the most time (ms per step, calls per step):")
         for k, v in s["top_kernels_ms"].items():

@@ -33,6 +33,7 @@ def gpu_trace():
            X("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 55, 15, "kernel", correlation=91, stream=21),
            X("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 160, 12, "kernel", correlation=92, stream=7),
            X("cudaStreamSynchronize", 81, 10, "cuda_runtime"), X("cudaStreamSynchronize", 181, 5, "cuda_runtime")]
+    ev += [X("aten::mm", 1, 4, "cpu_op"), X("aten::addmm", 2, 1, "cpu_op"), X("aten::mm", 31, 2, "cpu_op")]
     return {"traceEvents": ev}
 
 
@@ -48,8 +49,14 @@ def test_gpu_breakdown_of_a_known_timeline():
     assert s["communication_hidden_fraction"] == pytest.approx(1 - 22 / 37)
     assert s["host_syncs"]["per_step"] == 1 and s["host_syncs"]["wait_ms"] == pytest.approx(15 / 2e3)
     assert set(s["host_syncs"]["by_phase"]) == {"sync", "log"}
+    # the host thread: top-level ops 4 + 2 us (the nested addmm not counted twice), 6 launches of 0.5 us and
+    # 2 syncs of 10 and 5 us in the two steps
+    (name, h), = s["host_threads"].items()
+    assert name == "aten::mm (tid 1)" and h["op_ms"] == pytest.approx(6 / 2e3)
+    assert h["api_calls"] == pytest.approx(4) and h["api_mean_us"] == pytest.approx(18 / 8)
     text = profile_step.format_summary(s)
     assert "exposed reduce_scatter" in text and "host syncs: 1.0 per step" in text
+    assert "host thread aten::mm (tid 1): 0.0 ms in torch ops, 4 CUDA API calls of 2.2 us" in text
 
 
 def test_profile_step_runs_on_cpu(tmp_path, default_corpus):

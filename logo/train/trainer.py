@@ -209,27 +209,23 @@ def _fsdp_options(cfg: Config) -> dict:
                 backward_prefetch=p.backward_prefetch, bucket_mb=p.bucket_mb)
 
 
-def _peak_memory_gib(device: torch.device, group) -> float:
-    """Peak memory of this process (GPU: allocated; CPU: RSS), the maximum over ranks when distributed."""
+def _peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process (GPU: allocated; CPU: RSS); host values, no sync."""
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    if group is not None:
-        t = torch.tensor([peak], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        peak = float(t[0])
-    return peak
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _threshold_spread(ctrl: BudgetController) -> torch.Tensor:
-    """(1,) on the device: max over layers of (max - min over ranks) of the threshold, 0 when every rank holds the
-    same values (two all-reduces, no host sync; `_check_spread` reads it)."""
-    th = ctrl.thresholds()
-    hi, lo = th.clone(), th.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return (hi - lo).max().reshape(1)
+def _rank_maxima(ctrl: BudgetController, peak_gib: float, device: torch.device) -> torch.Tensor:
+    """(2,) float64 on the device: the thresholds' spread over ranks (max over layers of max - min; 0 when every
+    rank holds the same values, and without LoGo layers) and the peak memory's maximum over ranks. One
+    all-reduce on the default group, issued and not read: no rank's host waits for the others' here."""
+    th = ctrl.thresholds().double() if ctrl.layers else torch.zeros(0, dtype=torch.float64, device=device)
+    x = torch.cat([th, -th, torch.full((1,), peak_gib, dtype=torch.float64, device=device)])
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    n = th.numel()
+    spread = (x[:n] + x[n:2 * n]).max() if n else x[-1] * 0  # max(th) - min(th) = max(th) + max(-th)
+    return torch.stack([spread, x[-1]])
 
 
 def _check_spread(spread: float) -> float:
@@ -362,7 +358,6 @@ class _StepLog:
     world: int
     device: torch.device
     ctrl: BudgetController
-    host_group: object
     metrics_log: Optional[MetricsLogger]  # rank 0
     bar: object  # tqdm bar or None
     data_metrics: object = dict  # () -> the data's own metrics (a mixture's data/tokens/<source>)
@@ -385,8 +380,8 @@ class _StepLog:
         controller's figures, the thresholds' spread over ranks) on their way to the host, no host sync."""
         figures = self.ctrl.figures()  # (L, 8) or None
         extra = [] if figures is None else [figures.double().flatten()]
-        if self.world > 1 and self.ctrl.layers:
-            extra.append(_threshold_spread(self.ctrl).double())
+        if self.world > 1:
+            extra.append(_rank_maxima(self.ctrl, _peak_memory_gib(self.device), self.device))
         docs = np.concatenate(self.documents) if self.documents else None
         self.documents.clear()
         return _Pending(step, lr, Readout(out, monitor, torch.cat(extra) if extra else None), timer.take(),
@@ -405,7 +400,8 @@ class _StepLog:
         m = {"loss": loss, "lr": pending.lr, "grad_norm": grad_norm,
              "tokens_per_s": len(durations) * plan.global_batch_tokens / elapsed,
              "tokens": pending.step * plan.global_batch_tokens, **spread(durations)}
-        m["memory_gib"] = _peak_memory_gib(self.device, self.host_group)
+        # the largest peak over ranks, up to the staged step
+        m["memory_gib"] = float(extra[pending.n_figures + 1]) if self.world > 1 else _peak_memory_gib(self.device)
         n_fig = pending.n_figures
         if n_fig:
             m.update(self.ctrl.metrics_of(extra[:n_fig]))
@@ -561,7 +557,7 @@ def _run(cfg: Config, resolved: dict, plan: Plan, run_dir: Path, b: _Built, ckpt
     if rank == 0 and cfg.logging.progress_bar and sys.stderr.isatty():  # logs get the line per logging.interval
         bar = tqdm(total=plan.steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True, leave=False)
     step_log = _StepLog(plan, cfg.model, peak_bf16_flops(torch.cuda.get_device_name()) if device.type == "cuda"
-                        else None, world, device, b.ctrl, b.host_group, metrics_log, bar,
+                        else None, world, device, b.ctrl, metrics_log, bar,
                         partial(data_metrics, b.loader.loader))
     last = {}
     monitor, timer = DivergenceMonitor(device), StepTimer(device)
