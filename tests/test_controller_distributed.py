@@ -101,15 +101,17 @@ def _maxima_worker(rank, port, out_dir):
         ctrl = BudgetController(build())
         with torch.no_grad():  # layer 1's threshold differs by 0.25 between the ranks, the others agree
             ctrl.layers[1].threshold += 0.25 * rank
-        torch.save(_rank_maxima(ctrl, 1.5 + rank, torch.device("cpu")), os.path.join(out_dir, f"r{rank}.pt"))
+        full = BudgetController(Transformer(model_config("tiny", vocab_size=200)))  # no LoGo layer: spread 0
+        got = torch.stack([_rank_maxima(c, 1.5 + rank, torch.device("cpu")) for c in (ctrl, full)])
+        torch.save(got, os.path.join(out_dir, f"r{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_rank_maxima_in_one_all_reduce(tmp_path):
-    """The logging record's one collective: the thresholds' spread over ranks (0.25: one layer differs) and the
-    largest peak memory (1.5 and 2.5 GiB on the two ranks), the same on both ranks."""
+    """The logging record's one collective: the thresholds' spread over ranks (0.25: one layer differs; 0 without
+    LoGo layers) and the largest peak memory (1.5 and 2.5 GiB on the two ranks), the same on both ranks."""
     mp.spawn(_maxima_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     got = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
     assert torch.equal(got[0], got[1]) and got[0].dtype == torch.float64
-    torch.testing.assert_close(got[0], torch.tensor([0.25, 2.5], dtype=torch.float64))
+    torch.testing.assert_close(got[0], torch.tensor([[0.25, 2.5], [0.0, 2.5]], dtype=torch.float64))

@@ -224,7 +224,7 @@ def _rank_maxima(ctrl: BudgetController, peak_gib: float, device: torch.device) 
     x = torch.cat([th, -th, torch.full((1,), peak_gib, dtype=torch.float64, device=device)])
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
     n = th.numel()
-    spread = (x[:n] + x[n:2 * n]).max() if n else x[-1] * 0  # max(th) - min(th) = max(th) + max(-th)
+    spread = (x[:n] + x[n:2 * n]).max() if n else x.new_zeros(())  # max(th) - min(th) = max(th) + max(-th)
     return torch.stack([spread, x[-1]])
 
 
@@ -377,7 +377,8 @@ class _StepLog:
 
     def stage(self, step: int, out, monitor: DivergenceMonitor, lr: float, timer: StepTimer) -> _Pending:
         """Start the record of logging step `step`: its device figures (loss, grad norm, divergence state, the
-        controller's figures, the thresholds' spread over ranks) on their way to the host, no host sync."""
+        controller's figures, the thresholds' spread and the peak memory over ranks) on their way to the host, no
+        host sync."""
         figures = self.ctrl.figures()  # (L, 8) or None
         extra = [] if figures is None else [figures.double().flatten()]
         if self.world > 1:
@@ -400,9 +401,9 @@ class _StepLog:
         m = {"loss": loss, "lr": pending.lr, "grad_norm": grad_norm,
              "tokens_per_s": len(durations) * plan.global_batch_tokens / elapsed,
              "tokens": pending.step * plan.global_batch_tokens, **spread(durations)}
-        # the largest peak over ranks, up to the staged step
-        m["memory_gib"] = float(extra[pending.n_figures + 1]) if self.world > 1 else _peak_memory_gib(self.device)
         n_fig = pending.n_figures
+        # the largest peak over ranks, up to the staged step
+        m["memory_gib"] = float(extra[n_fig + 1]) if self.world > 1 else _peak_memory_gib(self.device)
         if n_fig:
             m.update(self.ctrl.metrics_of(extra[:n_fig]))
         if self.peak:  # attention FLOPs over this rank's documents, the LoGo layers at the last step's ratios
