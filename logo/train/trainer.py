@@ -350,8 +350,8 @@ class _Built:
 
 @dataclass
 class _StepLog:
-    """What every logging step needs besides the step's own figures: writes the metrics (rank 0) and returns
-    them (every rank: the collectives)."""
+    """What every logging step needs besides the step's own figures: `stage` (every rank: it issues the record's
+    collective) and `finish`, which writes the metrics (rank 0) and returns them (every rank)."""
     plan: Plan
     model_cfg: object  # logo.config.ModelConfig (for MFU)
     peak: Optional[float]  # the device's bf16 peak FLOP/s, None off CUDA or when unknown
@@ -391,7 +391,7 @@ class _StepLog:
     def finish(self, pending: _Pending, timer: StepTimer, evaluated: dict, saves: list, last_good) -> dict:
         """The record of a staged logging step: waits for its figures, raises `TrainingDiverged` if a step up to
         it diverged (`last_good()`: the checkpoint to name), writes the metrics (rank 0) and returns them (every
-        rank: the collectives)."""
+        rank). No collective here: the one over ranks was issued by `stage`."""
         plan = self.plan
         with phase("sync"):
             loss, grad_norm, diverged, extra = pending.readout.values()
