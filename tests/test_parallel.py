@@ -333,3 +333,30 @@ def test_blocks_compile_with_the_mode_and_the_block_options(monkeypatch, mode):
     want = {**({"triton.cudagraphs": True} if mode == "reduce-overhead" else {}), "realize_reads_threshold": 8}
     assert fsdp.BLOCK_INDUCTOR_OPTIONS == {"realize_reads_threshold": 8}
     assert seen == [((), {"options": want})] * len(model.layers)
+
+
+@pytest.mark.parametrize("kind", ["logo", "full", "intra_layer"])
+def test_replicate_bucket_follows_the_model(kind):
+    """parallel.bucket_mb=null: a model with LoGo layers all-reduces every gradient in one bucket (past DDP's
+    first), after the backward; other models in DDP_BUCKET_MB buckets. The value reaches the DDP that replicate
+    builds; an explicit bucket_mb wins."""
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from logo.parallel import fsdp, parallelize
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = build(kind, bf16=True)
+        mib = fsdp.gradient_mib(model)
+        assert mib == -(-sum(4 * p.numel() for p in model.parameters()) // 2**20)
+        want = mib + 1 if kind == "logo" else fsdp.DDP_BUCKET_MB
+        assert fsdp.ddp_bucket_mb(model) == want
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+        for bucket_mb, cap in ((None, want), (3, 3)):
+            model = build(kind, bf16=True)
+            parallelize(model, mesh, torch.float32, fsdp={"bucket_mb": bucket_mb}, data_parallel="replicate")
+            forward(model, micro_batch(), bf16=False)  # replicate builds its DDP at the first forward
+            assert replicate.state(model)._ddp.bucket_bytes_cap == cap * 2**20
+    finally:
+        dist.destroy_process_group()

@@ -68,14 +68,27 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.d
             unit.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + backward_prefetch])
 
 
-DDP_BUCKET_MB = 100  # default gradient all-reduce bucket (parallel.bucket_mb)
+DDP_BUCKET_MB = 100  # gradient all-reduce bucket of a model without LoGo layers (parallel.bucket_mb=null)
+
+
+def gradient_mib(model: torch.nn.Module) -> int:
+    """MiB of the model's gradients (trainable parameters, in their dtype), rounded up."""
+    return -(-sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) // 2**20)
+
+
+def ddp_bucket_mb(model: torch.nn.Module) -> int:
+    """The automatic all-reduce bucket (parallel.bucket_mb=null): for a model with LoGo layers one bucket of every
+    gradient (past DDP's first bucket of 1 MiB), so the all-reduce runs after the backward instead of beside it (on
+    4 GPUs of one host LoGo's backward lost more to the overlapping collectives than the overlap saved; full
+    attention's did not: docs/benchmarks.md); otherwise `DDP_BUCKET_MB`."""
+    return gradient_mib(model) + 1 if getattr(model, "logo_layer_ids", None) else DDP_BUCKET_MB
 
 
 def apply_ddp(model: torch.nn.Module, dp_mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32,
               bucket_mb: int = DDP_BUCKET_MB) -> None:
     """Replicated data parallelism over dp_mesh (composable DDP: parameter names unchanged). reduce_dtype bf16:
     gradients all-reduced in bf16 (half the bytes) through DDP's compression hook; bucket_mb: MiB of gradients
-    per all-reduce."""
+    per all-reduce (`gradient_mib(model)` or more: one all-reduce, after the backward)."""
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     device = next(model.parameters()).device
@@ -121,7 +134,7 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
     checkpointing, compile, then data parallelism over dp_mesh (the flattened dp_shard x cp mesh), each when there
     is one. data_parallel: "shard" (FSDP2, weights in param_dtype) or "replicate" (DDP; the caller runs the forward
     under autocast, as on one GPU). `fsdp`: keyword options of `apply_fsdp` (reduce_dtype, reshard_after_forward,
-    forward/backward_prefetch) and bucket_mb; replicate takes reduce_dtype and bucket_mb.
+    forward/backward_prefetch) and bucket_mb; replicate takes reduce_dtype and bucket_mb (None: `ddp_bucket_mb`).
     compile_mode: torch.compile's mode for the blocks (train.compile_mode; reduce-overhead replays them as CUDA graphs, one device only)."""
     if compile_blocks and compile_mode == "reduce-overhead" and (dp_mesh is not None or tp_mesh is not None):
         raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device only: FSDP and tensor "
@@ -145,13 +158,16 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
         for block in model.layers.values():
             block.compile(options=options)
     opts = dict(fsdp or {})
-    bucket_mb = opts.pop("bucket_mb", DDP_BUCKET_MB)
+    bucket_mb = opts.pop("bucket_mb", None)
     if dp_mesh is not None and data_parallel == "replicate":
+        bucket_mb = bucket_mb or ddp_bucket_mb(model)
         reduce = opts.get("reduce_dtype", torch.float32)
         apply_ddp(model, dp_mesh, reduce, bucket_mb)
         if dist.get_rank() == 0:
-            log.info("DDP data parallel over %d ranks (whole weights, gradients all-reduced in %s)", dp_mesh.size(),
-                     str(reduce).removeprefix("torch."))
+            buckets = ("in one all-reduce after the backward" if bucket_mb >= gradient_mib(model)
+                       else f"in buckets of {bucket_mb} MiB during the backward")
+            log.info("DDP data parallel over %d ranks (whole weights, gradients all-reduced in %s %s)",
+                     dp_mesh.size(), str(reduce).removeprefix("torch."), buckets)
     elif dp_mesh is not None:
         apply_fsdp(model, dp_mesh, param_dtype, **opts)
         if dist.get_rank() == 0:

@@ -168,8 +168,9 @@ class ParallelConfig:
     reshard_after_forward: str = "auto"  # auto: every unit but the last block and norm+head | always | never
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32 | bf16 (half the bytes, bf16-rounded sums)
     # replicate (DDP): MiB of gradients per all-reduce bucket (smaller: the reduction starts earlier in the backward
-    # and overlaps more of it, in more collectives)
-    bucket_mb: int = 100
+    # and overlaps more of it, in more collectives). None: 100 MiB, or for a model with LoGo layers one bucket of
+    # every gradient, reduced after the backward (logo.parallel.fsdp.ddp_bucket_mb)
+    bucket_mb: Optional[int] = None
     forward_prefetch: int = 1  # units each unit all-gathers ahead in forward, issued explicitly (0: implicit only)
     backward_prefetch: int = 1  # the same in backward (0: FSDP2's default implicit prefetch of one unit)
 
@@ -376,8 +377,8 @@ def validate(c: Config) -> None:
                   " tokens must be divisible by it")
     if c.parallel.reduce_dtype not in ("fp32", "bf16"):
         _fail("parallel.reduce_dtype", c.parallel.reduce_dtype, "choose fp32 or bf16")
-    if not c.parallel.bucket_mb >= 1:
-        _fail("parallel.bucket_mb", c.parallel.bucket_mb, "must be >= 1 (MiB per all-reduce bucket)")
+    if c.parallel.bucket_mb is not None and not c.parallel.bucket_mb >= 1:
+        _fail("parallel.bucket_mb", c.parallel.bucket_mb, "must be >= 1 (MiB per all-reduce bucket) or null (automatic)")
     for name in ("forward_prefetch", "backward_prefetch"):
         v = getattr(c.parallel, name)
         if not isinstance(v, int) or not 0 <= v <= 4:
