@@ -5,7 +5,8 @@ The model module knows nothing of what happens here. Order (as in torchtitan): t
 (torchtitan's `apply_ac`), torch.compile of each (checkpointed) block, then data parallelism over the dp_shard x cp
 ranks, one of:
 - replicate (DDP, `torch.distributed._composable.replicate`): every rank holds the whole fp32 model and runs it
-  under bf16 autocast exactly as one GPU does; gradients are all-reduced in buckets while the backward runs. No
+  under bf16 autocast exactly as one GPU does; gradients are all-reduced in buckets while the backward runs (a
+  model with LoGo layers: in one all-reduce after it, `ddp_bucket_mb`). No
   per-module hooks in the forward and no weight traffic: the fastest choice whenever the whole training state fits;
 - shard (FSDP2): `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root,
   with a bf16/fp32 `MixedPrecisionPolicy`: weights, gradients and optimizer states sharded, each unit's bf16
