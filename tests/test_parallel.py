@@ -338,7 +338,7 @@ def test_blocks_compile_with_the_mode_and_the_block_options(monkeypatch, mode):
 @pytest.mark.parametrize("kind", ["logo", "full", "intra_layer"])
 def test_replicate_bucket_follows_the_model(kind):
     """parallel.bucket_mb=null: a model with LoGo layers all-reduces every gradient in one bucket (past DDP's
-    first), after the backward; other models in DDP_BUCKET_MB buckets. The value reaches the DDP that replicate
+    first), after the backward; other models, and any under context parallelism, in DDP_BUCKET_MB buckets. The value reaches the DDP that replicate
     builds; an explicit bucket_mb wins."""
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.device_mesh import init_device_mesh
@@ -352,6 +352,7 @@ def test_replicate_bucket_follows_the_model(kind):
         assert mib == -(-sum(4 * p.numel() for p in model.parameters()) // 2**20)
         want = mib + 1 if kind == "logo" else fsdp.DDP_BUCKET_MB
         assert fsdp.ddp_bucket_mb(model) == want
+        assert fsdp.ddp_bucket_mb(model, context_parallel=True) == fsdp.DDP_BUCKET_MB
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
         for bucket_mb, cap in ((None, want), (3, 3)):
             model = build(kind, bf16=True)

@@ -6,7 +6,7 @@ The model module knows nothing of what happens here. Order (as in torchtitan): t
 ranks, one of:
 - replicate (DDP, `torch.distributed._composable.replicate`): every rank holds the whole fp32 model and runs it
   under bf16 autocast exactly as one GPU does; gradients are all-reduced in buckets while the backward runs (a
-  model with LoGo layers: in one all-reduce after it, `ddp_bucket_mb`). No
+  model with LoGo layers and no context parallelism: in one all-reduce after it, `ddp_bucket_mb`). No
   per-module hooks in the forward and no weight traffic: the fastest choice whenever the whole training state fits;
 - shard (FSDP2): `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root,
   with a bf16/fp32 `MixedPrecisionPolicy`: weights, gradients and optimizer states sharded, each unit's bf16
@@ -77,12 +77,14 @@ def gradient_mib(model: torch.nn.Module) -> int:
     return -(-sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) // 2**20)
 
 
-def ddp_bucket_mb(model: torch.nn.Module) -> int:
+def ddp_bucket_mb(model: torch.nn.Module, context_parallel: bool = False) -> int:
     """The automatic all-reduce bucket (parallel.bucket_mb=null): for a model with LoGo layers one bucket of every
     gradient (past DDP's first bucket of 1 MiB), so the all-reduce runs after the backward instead of beside it (on
     4 GPUs of one host LoGo's backward lost more to the overlapping collectives than the overlap saved; full
-    attention's did not: docs/benchmarks.md); otherwise `DDP_BUCKET_MB`."""
-    return gradient_mib(model) + 1 if getattr(model, "logo_layer_ids", None) else DDP_BUCKET_MB
+    attention's did not: docs/benchmarks.md); otherwise, and under context parallelism (whose long backward hid
+    the 100 MiB buckets' all-reduce but for a few ms), `DDP_BUCKET_MB`."""
+    one_bucket = bool(getattr(model, "logo_layer_ids", None)) and not context_parallel
+    return gradient_mib(model) + 1 if one_bucket else DDP_BUCKET_MB
 
 
 def apply_ddp(model: torch.nn.Module, dp_mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32,
@@ -161,7 +163,7 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
     opts = dict(fsdp or {})
     bucket_mb = opts.pop("bucket_mb", None)
     if dp_mesh is not None and data_parallel == "replicate":
-        bucket_mb = bucket_mb or ddp_bucket_mb(model)
+        bucket_mb = bucket_mb or ddp_bucket_mb(model, context_parallel=cp_mesh is not None)
         reduce = opts.get("reduce_dtype", torch.float32)
         apply_ddp(model, dp_mesh, reduce, bucket_mb)
         if dist.get_rank() == 0:
