@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import zygote
+
 
 def _worker_threads() -> int:
     """CPU threads for one test process: this machine's cores shared out among pytest-xdist's workers."""
@@ -67,9 +69,10 @@ def train_env(nproc: int = 1, env=None) -> dict:
 
 def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True, env=None, cwd=None,
               fault: bool = False):
-    """Run train.py in a subprocess; returns the CompletedProcess (stdout/stderr as text)."""
-    p = subprocess.run(train_cmd(*overrides, nproc=nproc, fault=fault), cwd=cwd or ROOT, env=train_env(nproc, env),
-                       capture_output=True, text=True, timeout=timeout)
+    """Run train.py in a subprocess (one process: a fork of the test zygote, `zygote.py`); returns the
+    CompletedProcess (stdout/stderr as text)."""
+    p = zygote.run(train_cmd(*overrides, nproc=nproc, fault=fault), env=train_env(nproc, env), cwd=cwd or ROOT,
+                   timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py {' '.join(overrides)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}"
                              f"\n--- stderr\n{p.stderr[-4000:]}")

@@ -23,6 +23,7 @@ from logo.report.__main__ import main as report_main
 from report_fixtures import make_run as make_report_run
 from test_data_fixtures import corpus_texts, write_jsonl
 from test_export import make_run
+import zygote
 
 BIG_VOCAB = ("model.vocab_size=100277", "stage.seq_len=128")  # real tokens (the default corpus, RULER prompts)
 
@@ -144,8 +145,7 @@ def cli(module: str, *args) -> list:
 
 def run_cli(cmd) -> subprocess.CompletedProcess:
     """`cmd` run to its end; stderr less the INFO records."""
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "WANDB_MODE": "offline"})
+    p = zygote.run(cmd, env={**os.environ, "WANDB_MODE": "offline"}, cwd=ROOT, timeout=300)
     return subprocess.CompletedProcess(p.args, p.returncode, p.stdout, without_info(p.stderr))
 
 
