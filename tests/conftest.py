@@ -46,6 +46,23 @@ TINY_RUN = ["model=tiny", "stage.seq_len=64", "stage.global_batch_tokens=256", "
             "attention.window=16", "attention.gamma=0.01", "attention.budget_control=threshold", "eval.tokens=512"]
 
 
+# pytest-xdist deals whole files to the workers (--dist loadfile), and the run ends when the last file does. These
+# files hold the long multi-process tests: they are dealt first, longest first, so that the short files fill the end.
+LONG_FILES = ("test_parallel.py", "test_train_distributed.py", "test_faults_ranks.py", "test_study.py",
+              "test_checkpoint_async.py", "test_faults.py", "test_export.py", "test_report_sweep.py",
+              "test_benchmarks_dp.py", "test_parallelize.py", "test_controller_distributed.py", "test_train_loop.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # xdist would order the files by their number of tests instead
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONG_FILES)))  # stable: the rest keep their order
+
+
 def train_cmd(*overrides, nproc: int = 1, fault: bool = False) -> list:
     """The train.py command line; `fault`: through tests/fault_entry.py (a fault injected per LOGO_FAULT)."""
     script = str(ROOT / "tests" / "fault_entry.py") if fault else str(ROOT / "train.py")
