@@ -5,8 +5,8 @@
 - tensor + sequence parallelism (2 GPUs) for every attention preset, both kernel backends, eager and compiled
   blocks, with and without activation checkpointing: one forward and backward equal one GPU's (bf16 tolerance) and
   both tp ranks route the same tokens (`tests/multigpu_tp_worker.py`);
-- context parallelism (2 GPUs) through train.py: cp=2 with micro-batches of one and of two rows follows one GPU's
-  losses over 20 steps;
+- context parallelism (2 GPUs) through train.py: cp=2 with micro-batches of one and of two rows, eager and
+  compiled, follows one GPU's losses over 20 steps;
 - composed layouts (4 GPUs) through train.py: tp=2 x cp=2, tp=2 x dp=2 and cp=2 x dp=2 follow one GPU's losses
   over 20 steps on the same global batch, with LoGo thresholds bitwise equal on every rank;
 - a run saved on 4 GPUs resumes on 2 (and one saved on 2 resumes on 4; 2 <-> 1 on a 2-GPU node) and continues the
@@ -121,12 +121,14 @@ def test_composed_layouts_follow_one_gpu(one_gpu, tmp_path, layout):
 
 
 @gpus(2)
-@pytest.mark.parametrize("micro", [1, 2])
-def test_context_parallel_follows_one_gpu(one_gpu, tmp_path, micro):
+@pytest.mark.parametrize("micro,compiled", [(1, False), (2, False), (1, True)], ids=["micro1", "micro2", "compiled"])
+def test_context_parallel_follows_one_gpu(one_gpu, tmp_path, micro, compiled):
     """cp=2 on 2 GPUs (every document cut into pieces balanced over the ranks; micro-batches of one and of two
-    rows) follows one GPU's losses over 20 steps on the same global batch, thresholds equal on both ranks."""
+    rows; eager and compiled blocks) follows one GPU's losses over 20 steps on the same global batch, thresholds
+    equal on both ranks."""
     run = [a for a in RUN if not a.startswith("train.micro_batch=")]
-    run_train(*run, "parallel.cp=2", f"train.micro_batch={micro}", f"run.dir={tmp_path}", nproc=2, timeout=900)
+    run_train(*run, "parallel.cp=2", f"train.micro_batch={micro}", f"train.compile={str(compiled).lower()}",
+              f"run.dir={tmp_path}", nproc=2, timeout=900)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert (plan["world_size"], plan["cp"], plan["micro_batch"]) == (2, 2, micro)
     follows(read_metrics(tmp_path), one_gpu, range(1, STEPS + 1))
