@@ -93,11 +93,6 @@ def fake_lse(q: Tensor) -> Tensor:
     return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-def lse_base2(impl: str) -> bool:
-    """Whether `impl`'s log-sum-exp is base 2 (the reference and Triton kernels) or natural (FlashAttention-4): what
-    merging two key ranges' outputs needs (context parallelism)."""
-    return impl != "flash"
-
 @range_attention_fwd.register_fake
 def _(q, k, v, q_pos, rows, cu_q, cu_k, scale, window, impl, seqlen=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format), fake_lse(q)

@@ -12,13 +12,9 @@ pieces (each piece a "sequence" of the local metadata), with each token's true r
 Attention (`apply_cp` installs one `ContextParallelOps` on every attention module of the model; `context_parallel`
 sets the micro-batch's layout on it for the forward and backward; without a layout, e.g. in evaluation, the ops
 run on the local rows like the plain ones):
-- global / full attention (query-sparse op, `_SplitKeyAttention`): each query's keys are those of its document up
-  to itself, split in two ranges: the keys this rank holds (its pieces of the document, in order) and those the
-  other ranks hold (every other piece before the query's, in sequence order). The local keys' attention runs while
-  the other ranks' keys and values are all-gathered, the remote keys' attention after, and the two are merged by
-  their log-sum-exps; in the backward the remote keys' gradients are reduce-scattered while the local keys'
-  backward runs. Both collectives thus overlap attention work; queries with no remote key (the first piece of a
-  document) skip the second range;
+- global / full attention: the keys and values of every rank are all-gathered (autograd: their gradients are
+  reduce-scattered back) and put in sequence order; the local queries attend them at their true positions
+  in their true documents (query-sparse op), so document masking holds across pieces;
 - sliding window: each piece needs the `window - 1` keys/values before it in its document (its halo), held by
   other pieces, of this or another rank: every rank all-gathers the rows that other ranks' halos need, and each
   piece attends [halo, piece] as one packed sequence.
@@ -35,10 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-_c10d = torch.ops._c10d_functional
-
 from data.loader import Batch
-from logo.kernels import dispatch, ops
+from logo.kernels import dispatch
 from logo.kernels.reference import positions_in_sequence
 from logo.config import ConfigError
 
@@ -105,22 +99,14 @@ class CPLayout:
     piece_doc: torch.Tensor  # (P,) int64 global document of each local piece
     piece_offset: torch.Tensor  # (P,) int32 position of the piece's first token inside its document
     piece_pos: torch.Tensor  # (N_local,) int32 position of each local row inside its piece
-    scatter_index: torch.Tensor  # (B*T,) int64: row j of cat(all ranks' local rows) is global row scatter_index[j]
-    row_doc: torch.Tensor  # (N_local,) int64 global document of each local row
-    local_cu: torch.Tensor  # (S+1,) int32 offsets of each document's local rows (the local keys)
-    local_pos: torch.Tensor  # (N_local,) int32 each local row's place among its document's local rows
-    remote_index: torch.Tensor  # ((cp-1)*N_local,) int64 rows of cat(all ranks' local rows) held by the other
-    #                             ranks, in sequence order (the remote keys, grouped by document)
-    remote_cu: torch.Tensor  # (S+1,) int32 offsets of each document's remote keys
-    remote_pos: torch.Tensor  # (N_local,) int32 remote keys before each local row in its document, minus 1 (>= 0)
-    has_remote: torch.Tensor  # (N_local,) bool whether a local row has a remote key before it
+    gather_index: torch.Tensor  # (B*T,) int64: global row g = cat(all ranks' local rows)[gather_index[g]]
+    scatter_index: torch.Tensor  # (B*T,) int64: its inverse: row j of that concatenation is global row scatter_index[j]
     export_index: torch.Tensor  # (E,) int64 local rows that other ranks' halos need (padded with row 0)
     kv_index: torch.Tensor  # (N_ext,) int64 rows of cat(every rank's exports (cp*E), local rows), [halo, piece]s
     q_index: torch.Tensor  # (N_ext,) int64 rows of cat(one zero row, local rows) in the same order (halo rows: 0)
     keep_index: torch.Tensor  # (N_local,) int64 the local rows' places among the N_ext rows
     cu_halo: torch.Tensor  # (P+1,) int32 offsets of the [halo, piece] sequences
-    # the inverses of the five gathers above (`gather_inverse`), for their backward
-    remote_inverse: torch.Tensor
+    # the inverses of the four gathers above (`gather_inverse`), for their backward
     export_inverse: torch.Tensor
     kv_inverse: torch.Tensor
     q_inverse: torch.Tensor
@@ -163,31 +149,9 @@ def shard_batch(mb: Batch, cp: int, rank: int, window: int) -> tuple[Batch, torc
     halo = _halo_indices(pieces, cu, owner, place, rank, max(window - 1, 0), n_local)
     doc = torch.from_numpy(mine[:, 2])
     offset = (torch.from_numpy(mine[:, 0]) - cu_g[doc]).to(torch.int32)
-    split = _key_split(cu, owner, rank, rows[rank], gather.numpy())
-    layout = CPLayout(cp, window, cu_g.to(torch.int32), doc, offset, positions_in_sequence(cu_local, n_local),
-                      scatter, *split[:-1], *halo[:5], split[-1], *halo[5:])
+    layout = CPLayout(cp, window, cu_g.to(torch.int32), doc, offset, positions_in_sequence(cu_local, n_local), gather,
+                      scatter, *halo)
     return local, idx % T, layout
-
-
-def _key_split(cu: np.ndarray, owner: np.ndarray, rank: int, mine: np.ndarray, gather: np.ndarray):
-    """(row_doc, local_cu, local_pos, remote_index, remote_cu, remote_pos, has_remote, remote_inverse) of `rank`
-    (CPLayout): `mine` its global rows in local order, `gather` each global row's place in cat(all local rows)."""
-    n_docs = len(cu) - 1
-
-    def offsets(global_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (documents, offsets per document)
-        docs = np.searchsorted(cu, global_rows, side="right") - 1
-        return docs, np.concatenate(([0], np.cumsum(np.bincount(docs, minlength=n_docs))))
-
-    row_doc, local_cu = offsets(mine)
-    remote = np.nonzero(owner != rank)[0]  # the other ranks' rows in sequence order: documents stay contiguous
-    _, remote_cu = offsets(remote)
-    before = np.searchsorted(remote, mine) - remote_cu[row_doc]  # remote keys of the document before each row
-    remote_index = gather[remote]
-    as_tensors = (torch.from_numpy(row_doc), torch.from_numpy(local_cu).to(torch.int32),
-                  torch.from_numpy(np.arange(len(mine)) - local_cu[row_doc]).to(torch.int32),
-                  torch.from_numpy(remote_index), torch.from_numpy(remote_cu).to(torch.int32),
-                  torch.from_numpy(np.maximum(before - 1, 0)).to(torch.int32), torch.from_numpy(before > 0))
-    return (*as_tensors, gather_inverse(remote_index, len(owner)))
 
 
 def _halo_indices(pieces: list[np.ndarray], cu: np.ndarray, owner: np.ndarray, place: np.ndarray, rank: int,
@@ -257,70 +221,6 @@ class _GatherRows(torch.autograd.Function):
         return out, None, None
 
 
-def _offsets(counts: torch.Tensor) -> torch.Tensor:
-    """Counts (S,) -> offsets (S+1,) int32."""
-    return torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
-
-
-def _merge(o_local, lse_local, o_remote, lse_remote, live, remote_live, order, rows, base2: bool):
-    """The attention over both key ranges from each range's output (N, H, D) (row order) and log-sum-exp (H, N)
-    (slot order of `rows` for the local range, of rows[order] for the remote one): (o in q's dtype, lse (H, N) in
-    slot order of `rows`). Slots outside `live` / `remote_live` are not read."""
-    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-    a = torch.where(live, lse_local, 0.0)
-    b = torch.where(remote_live, lse_remote[:, back], float("-inf"))
-    lse = torch.logaddexp2(a, b) if base2 else torch.logaddexp(a, b)
-    exp = torch.exp2 if base2 else torch.exp
-    slot_of_row = torch.empty_like(rows).scatter_(0, rows, torch.arange(rows.shape[0], device=rows.device))
-    w_local = exp(a - lse)[:, slot_of_row].t().unsqueeze(-1)  # (N, H, 1)
-    w_remote = exp(b - lse)[:, slot_of_row].t().unsqueeze(-1)
-    o = o_local.to(lse.dtype) * w_local + o_remote.to(lse.dtype) * w_remote
-    return o.to(o_local.dtype), lse
-
-
-class _SplitKeyAttention(torch.autograd.Function):
-    """Query-sparse attention of this rank's rows q (N_local, H, D) over their documents' keys on every rank, split
-    into the local keys k, v (N_local, H, D) and the other ranks' (all-gathered while the local keys' attention
-    runs); the backward reduce-scatters the remote keys' gradients while the local keys' backward runs. meta: the
-    slot orders, offsets and positions of both ranges (`ContextParallelOps.query_sparse_attention`).
-
-    The collectives are the functional ops themselves, each waited for where its result is used: `funcol`'s
-    wrappers wait at once while torch.compile traces, which would leave nothing to overlap."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, meta, group, impl: str, scale: float):
-        (rows, cu_q, rows_remote, cu_q_remote, order, live, remote_live, local_pos, local_cu, remote_pos, remote_cu,
-         remote_index, remote_inverse) = meta
-        H = k.shape[1]
-        gathered = _c10d.all_gather_into_tensor(torch.cat((k, v), 1), group.size(), group.group_name)  # in flight
-        o_local, lse_local = ops.range_attention_fwd(q, k, v, local_pos, rows, cu_q, local_cu, scale, 0, impl)
-        kv_remote = _c10d.wait_tensor(gathered).index_select(0, remote_index)  # ((cp-1)*N_local, 2H, D)
-        o_remote, lse_remote = ops.range_attention_fwd(q, kv_remote[:, :H], kv_remote[:, H:], remote_pos,
-                                                       rows_remote, cu_q_remote, remote_cu, scale, 0, impl)
-        o, lse = _merge(o_local, lse_local, o_remote, lse_remote, live, remote_live, order, rows.long(),
-                        ops.lse_base2(impl))
-        ctx.save_for_backward(q, k, v, kv_remote, o, lse, *meta)
-        ctx.cfg = (group, impl, scale)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, kv_remote, o, lse, *meta = ctx.saved_tensors
-        (rows, cu_q, rows_remote, cu_q_remote, order, _, _, local_pos, local_cu, remote_pos, remote_cu, _,
-         remote_inverse) = meta
-        group, impl, scale = ctx.cfg
-        H = k.shape[1]
-        dq_remote, dk_remote, dv_remote = ops.range_attention_bwd(
-            do, q, kv_remote[:, :H], kv_remote[:, H:], o, lse[:, order], remote_pos, rows_remote, cu_q_remote,
-            remote_cu, scale, 0, impl)
-        dkv = torch.cat((dk_remote, dv_remote), 1)
-        dkv = torch.cat((dkv, dkv.new_zeros(1, *dkv.shape[1:]))).index_select(0, remote_inverse[0])  # rank order
-        reduced = _c10d.reduce_scatter_tensor(dkv, "sum", group.size(), group.group_name)  # (N_local, 2H, D)
-        dq, dk, dv = ops.range_attention_bwd(do, q, k, v, o, lse, local_pos, rows, cu_q, local_cu, scale, 0, impl)
-        reduced = _c10d.wait_tensor(reduced)
-        return dq + dq_remote, dk + reduced[:, :H], dv + reduced[:, H:], None, None, None, None
-
-
 class ContextParallelOps(dispatch.AttentionOps):
     """The attention ops of `logo.kernels.dispatch.AttentionOps` for a sharded micro-batch (see the module doc):
     `layout` is the current micro-batch's (None: the plain ops). The LoGo branches run as the separate ops (the
@@ -332,29 +232,31 @@ class ContextParallelOps(dispatch.AttentionOps):
     def fuses_branches(self, q, A, backend: str) -> bool:
         return self.layout is None and super().fuses_branches(q, A, backend)
 
+    def _gather_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Local rows (N_local, H, D) -> every row of the micro-batch in sequence order (B*T, H, D)."""
+        L = self.layout
+        return _GatherRows.apply(_all_gather(x, self.group), L.gather_index, L.scatter_index[None])
+
     def query_sparse_attention(self, q, k, v, q_pos, rows, cu_q, cu_k, scale: Optional[float] = None,
                                backend: str = "auto"):
-        """Local rows (N_local, H, D) over every rank's keys/values of their documents. `rows` and `cu_q` come in
-        local-piece terms (the selected rows first, counted per local piece), `q_pos` and `cu_k` too; the layout
-        gives the positions and key ranges in the split's terms (`_SplitKeyAttention`)."""
+        """Local rows (N_local, H, D) over every rank's keys/values. `q_pos`, `cu_q`, `cu_k` come in local-piece
+        terms (cu_k: the local pieces' offsets); they are mapped to true positions and per-document offsets of
+        the whole micro-batch. The selected slots stay in order: local pieces follow their documents' order."""
         L = self.layout
         if L is None:
             return super().query_sparse_attention(q, k, v, q_pos, rows, cu_q, cu_k, scale, backend)
-        impl = dispatch.attention_impl(q, backend)
-        scale = ops._prepare(q, k, v, q_pos, rows, cu_q, cu_k, scale, impl)
-        n_docs = L.cu_global.shape[0] - 1
-        rows = rows.long()
+        n = q.shape[0]
+        piece = torch.searchsorted(cu_k[1:].long(), torch.arange(n, device=q.device), right=True)  # (N_local,)
+        pos = (q_pos + L.piece_offset[piece]).to(torch.int32)  # true positions inside the true documents
         counts = (cu_q[1:] - cu_q[:-1]).long()  # (P,) selected rows of each local piece
-        per_doc = torch.zeros(n_docs, dtype=torch.int64, device=q.device).index_add_(0, L.piece_doc, counts)
-        # The queries with remote keys, in the same order: a stable partition of the slots (static shapes).
-        live = torch.arange(rows.shape[0], device=q.device) < cu_q[-1]  # (N,) selected slots
-        remote_live = live & L.has_remote[rows]
-        order = torch.sort((~remote_live).to(torch.uint8), stable=True).indices  # remote slot i: slot order[i]
-        per_doc_remote = torch.zeros_like(per_doc).index_add_(0, L.row_doc[rows], remote_live.long())
-        meta = (rows.to(torch.int32), _offsets(per_doc), rows[order].to(torch.int32), _offsets(per_doc_remote), order,
-                live, remote_live, L.local_pos, L.local_cu, L.remote_pos, L.remote_cu, L.remote_index,
-                L.remote_inverse)
-        return _SplitKeyAttention.apply(q, k, v, meta, self.group, impl, scale)
+        per_doc = torch.zeros(L.cu_global.shape[0] - 1, dtype=torch.int64, device=q.device)
+        per_doc.index_add_(0, L.piece_doc, counts)
+        cu_qg = torch.zeros_like(L.cu_global)
+        cu_qg[1:] = torch.cumsum(per_doc, 0).to(torch.int32)
+        kg, vg = self._gather_all(k), self._gather_all(v)
+        # Local query rows (static shapes, `rows` selected first) over the gathered keys/values of every document
+        # (global offsets). With no selected row here the op still takes kg/vg, so the gathers' backward runs.
+        return super().query_sparse_attention(q, kg, vg, pos, rows, cu_qg, L.cu_global, scale, backend)
 
     def causal_attention(self, q, k, v, cu_seqlens, scale: Optional[float] = None, backend: str = "auto",
                          seqlen: int = 0):
