@@ -5,7 +5,8 @@ torch._dynamo and Hydra. The zygote (this file run as a script, one per test pro
 imports them once; each command is then a fork that runs the script or module as `__main__` with the command's
 argv, environment, working directory and standard streams, and ends like the interpreter: SystemExit's code, 1
 with the traceback on stderr for an exception, atexit handlers and non-daemon threads run. `run` returns a
-`subprocess.CompletedProcess`. LOGO_TEST_FORK=0 makes `run` start real subprocesses instead.
+`subprocess.CompletedProcess`. LOGO_TEST_FORK=0 makes `run` start real subprocesses instead; so does a
+machine with a CUDA device (a fork cannot use CUDA that its parent started).
 
 Protocol (one JSON line each way on the zygote's stdin / stdout): request {"argv", "env", "cwd", "out", "err"};
 replies {"pid"} when the fork started, then {"returncode"} when it ended (negative: killed by that signal).
@@ -155,9 +156,19 @@ def _zygote() -> _Zygote:
     return _ZYGOTE
 
 
+def _cuda_present() -> bool:
+    """A CUDA device here: the preloaded modules may start CUDA in the zygote, and a fork of a process that has
+    started CUDA cannot use it, so commands on a GPU node run as real subprocesses."""
+    import torch
+    return torch.cuda.is_available()
+
+
 def usable(cmd: list) -> bool:
-    """Whether `run` forks this command: the test interpreter running a script or `-m module`, not torchrun."""
+    """Whether `run` forks this command: the test interpreter running a script or `-m module`, not torchrun, on a
+    machine without CUDA devices."""
     if os.environ.get("LOGO_TEST_FORK", "1") == "0" or len(cmd) < 2 or cmd[0] != sys.executable:
+        return False
+    if _cuda_present():
         return False
     if cmd[1] == "-m":
         return len(cmd) >= 3 and cmd[2] != "torch.distributed.run"
