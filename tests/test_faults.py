@@ -142,13 +142,17 @@ def test_free_space_check_fails_before_writing(tmp_path):
 
 
 def link_run(src: Path, dst: Path, steps=None) -> Path:
-    """A copy of the run directory `src` made of hard links (a test that damages a file breaks its link first),
-    with only the checkpoints of `steps` (all when None)."""
+    """A copy of the run directory `src` with only the checkpoints of `steps` (all when None): the checkpoint shards
+    hard-linked (a run only reads them; a test that damages one breaks its link first), every other file copied (a
+    resumed run rewrites metrics.jsonl in place, which through a link would change `src`, a session fixture)."""
     def keep(d, names):
         if Path(d).name == "checkpoints" and steps is not None:
             return [n for n in names if n not in {f"step_{s:08d}" for s in steps}]
         return []
-    shutil.copytree(src, dst, copy_function=os.link, ignore=keep)
+
+    def copy(s, d):
+        return os.link(s, d) if s.endswith(".distcp") else shutil.copy2(s, d)
+    shutil.copytree(src, dst, copy_function=copy, ignore=keep)
     return dst
 
 
