@@ -229,6 +229,23 @@ def logo_layer_step(layer, fn=None, B: int = 2, T: int = 24):
     return out.detach(), x.grad, stats
 
 
+def _forked_rank(rank, fn, *args):
+    if "torch._dynamo" in sys.modules:  # the compile state of a new process: nothing compiled by earlier tests
+        sys.modules["torch._dynamo"].reset()
+    fn(rank, *args)
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)`: fn(rank, *args) in `nprocs` processes, joined; a rank that
+    fails fails the caller. The ranks are forks of this process where that is safe (no CUDA context, one CPU thread:
+    the xdist workers): a spawned rank spends seconds importing torch and the test module again."""
+    import torch.multiprocessing as mp
+    if torch.get_num_threads() == 1 and not torch.cuda.is_initialized():
+        mp.start_processes(_forked_rank, args=(fn, *args), nprocs=nprocs, join=True, start_method="fork")
+    else:
+        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+
+
 def free_port() -> int:
     """A free TCP port on localhost (for a process group's MASTER_PORT)."""
     with socket.socket() as s:
