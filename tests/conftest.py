@@ -103,6 +103,12 @@ def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True
     return p
 
 
+def run_python(cmd: list, *, env=None, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` of a `python script ...` or `python -m module ...` command,
+    as a fork of the test zygote (`zygote.py`); env: os.environ unless given, cwd: the checkout unless given."""
+    return zygote.run(cmd, env=dict(os.environ if env is None else env), cwd=cwd or ROOT, timeout=timeout)
+
+
 def start_fault_train(*overrides, fault: str = "", release=None) -> subprocess.Popen:
     """train.py through tests/fault_entry.py in the background (stdout/stderr piped as text): LOGO_FAULT=fault
     when given; `release`: a path whose creation ends the fault's sleep (LOGO_FAULT_RELEASE)."""
