@@ -46,11 +46,18 @@ TINY_RUN = ["model=tiny", "stage.seq_len=64", "stage.global_batch_tokens=256", "
             "attention.window=16", "attention.gamma=0.01", "attention.budget_control=threshold", "eval.tokens=512"]
 
 
-# pytest-xdist deals whole files to the workers (--dist loadfile), and the run ends when the last file does. These
-# files hold the long multi-process tests: they are dealt first, longest first, so that the short files fill the end.
-LONG_FILES = ("test_parallel.py", "test_train_distributed.py", "test_faults_ranks.py", "test_study.py",
-              "test_checkpoint_async.py", "test_faults.py", "test_export.py", "test_report_sweep.py",
-              "test_benchmarks_dp.py", "test_parallelize.py", "test_controller_distributed.py", "test_train_loop.py")
+# pytest-xdist deals whole files to the workers (--dist loadfile), and the run ends when the last file does. The files
+# that take longest are dealt first, longest first (their time in the README's command on a 2-core CPU, in seconds:
+# multi-process tests, training runs, the Triton interpreter's kernels), so that the short files fill the end.
+LONG_FILES = ("test_parallel.py",  # 550
+              "test_faults_ranks.py", "test_faults.py",  # 300, 290
+              "test_triton_kernels.py", "test_train_distributed.py", "test_checkpoint_async.py",  # 225, 205, 190
+              "test_study.py", "test_export.py",  # 185, 110
+              "test_train_loop.py", "test_logo_branches.py", "test_eval.py", "test_rope_transform.py",  # 75-90
+              "test_cli_outputs.py", "test_report_sweep.py",  # 75, 60
+              "test_parallelize.py", "test_benchmarks_dp.py", "test_controller_distributed.py", "test_launch.py",  # 50
+              "test_train_mix.py", "test_config_compose.py", "test_budget.py", "test_attention_ops.py",  # 30-35
+              "test_context_fuse.py")
 
 
 def pytest_configure(config):
@@ -94,6 +101,12 @@ def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True
         raise AssertionError(f"train.py {' '.join(overrides)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}"
                              f"\n--- stderr\n{p.stderr[-4000:]}")
     return p
+
+
+def run_python(cmd: list, *, env=None, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` of a `python script ...` or `python -m module ...` command,
+    as a fork of the test zygote (`zygote.py`); env: os.environ unless given, cwd: the checkout unless given."""
+    return zygote.run(cmd, env=dict(os.environ if env is None else env), cwd=cwd or ROOT, timeout=timeout)
 
 
 def start_fault_train(*overrides, fault: str = "", release=None) -> subprocess.Popen:
@@ -220,6 +233,23 @@ def logo_layer_step(layer, fn=None, B: int = 2, T: int = 24):
     out, _, stats = (layer if fn is None else fn)(x, cos, sin, seqs)
     out.square().sum().backward()
     return out.detach(), x.grad, stats
+
+
+def _forked_rank(rank, fn, *args):
+    if "torch._dynamo" in sys.modules:  # the compile state of a new process: nothing compiled by earlier tests
+        sys.modules["torch._dynamo"].reset()
+    fn(rank, *args)
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)`: fn(rank, *args) in `nprocs` processes, joined; a rank that
+    fails fails the caller. The ranks are forks of this process where that is safe (no CUDA context, one CPU thread:
+    the xdist workers): a spawned rank spends seconds importing torch and the test module again."""
+    import torch.multiprocessing as mp
+    if torch.get_num_threads() == 1 and not torch.cuda.is_initialized():
+        mp.start_processes(_forked_rank, args=(fn, *args), nprocs=nprocs, join=True, start_method="fork")
+    else:
+        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
 
 
 def free_port() -> int:

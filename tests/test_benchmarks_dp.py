@@ -1,12 +1,11 @@
 """benchmarks/profile_step.py and benchmarks/weak_scaling.py run on CPU (so they cannot rot), and the
 profile's GPU breakdown divides a known timeline exactly."""
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, TINY_RUN
+from conftest import ROOT, TINY_RUN, run_python
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import profile_step  # noqa: E402
@@ -60,9 +59,8 @@ def test_gpu_breakdown_of_a_known_timeline():
 
 
 def test_profile_step_runs_on_cpu(tmp_path, default_corpus):
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--out", str(tmp_path),
-                        "--warmup", "0", "--steps", "2", "--", *CPU_ARGS], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
+    p = run_python([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--out", str(tmp_path),
+                    "--warmup", "0", "--steps", "2", "--", *CPU_ARGS], timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step breakdown: cpu, rank 0 of 1, 2 steps" in p.stdout
     s = json.loads((tmp_path / "summary_rank0.json").read_text())
@@ -76,10 +74,9 @@ def test_profile_step_runs_on_cpu(tmp_path, default_corpus):
 
 @pytest.mark.slow
 def test_weak_scaling_one_vs_two_gloo_ranks(tmp_path, default_corpus):
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "weak_scaling.py"), "--cpu", "--gpus", "1", "2",
-                        "--micro-batch", "1", "--accum", "2", "--steps", "4", "--out", str(tmp_path), "--",
-                        "model=tiny", "stage.seq_len=32", "attention.window=8"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=1200)
+    p = run_python([sys.executable, str(ROOT / "benchmarks" / "weak_scaling.py"), "--cpu", "--gpus", "1", "2",
+                    "--micro-batch", "1", "--accum", "2", "--steps", "4", "--out", str(tmp_path), "--",
+                    "model=tiny", "stage.seq_len=32", "attention.window=8"], timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "weak_scaling.json").read_text())
     one, two = res["runs"]

@@ -1,12 +1,11 @@
 """benchmarks/gate_probe.py on CPU: a few steps of each kind, its output, and one-line errors."""
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_python
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gate_probe  # noqa: E402
@@ -52,6 +51,5 @@ def test_probe_runs_logs_the_gate_and_reports_held_out_routing(tmp_path, capsys)
                                          (["--task", "copy", "--seq-len", "41"], "--seq-len 41 must be even"),
                                          (["--task", "nope"], "argument --task: invalid choice: 'nope'")])
 def test_bad_arguments_are_one_line_exit_2(args, needle):
-    p = subprocess.run([sys.executable, "benchmarks/gate_probe.py", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = run_python([sys.executable, "benchmarks/gate_probe.py", *args], timeout=120)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1

@@ -6,9 +6,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import free_port, start_ranks
 from logo.config import AttentionConfig, model_config
 from logo.model import BudgetController, Transformer
 from logo.parallel import sum_over_ranks
@@ -73,7 +72,7 @@ def _worker(rank, port, out_dir, fsdp, budget_control="threshold"):
 @pytest.mark.parametrize("fsdp", [f if f == "plain" else pytest.param(f, marks=pytest.mark.slow)
                                   for f in FSDP_OPTIONS])
 def test_thresholds_match_across_ranks_and_single_process(tmp_path, fsdp):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), FSDP_OPTIONS[fsdp]), nprocs=2, join=True)
+    start_ranks(_worker, (free_port(), str(tmp_path), FSDP_OPTIONS[fsdp]), 2)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert torch.equal(r0, r1)
     model = build()
@@ -84,7 +83,7 @@ def test_thresholds_match_across_ranks_and_single_process(tmp_path, fsdp):
 
 def test_quantile_thresholds_match_across_ranks_and_single_process(tmp_path):
     """The quantile controller: histograms are summed over ranks before the quantile is read."""
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), None, "quantile"), nprocs=2, join=True)
+    start_ranks(_worker, (free_port(), str(tmp_path), None, "quantile"), 2)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert torch.equal(r0, r1)
     model = build("quantile")
@@ -111,7 +110,7 @@ def _maxima_worker(rank, port, out_dir):
 def test_rank_maxima_in_one_all_reduce(tmp_path):
     """The logging record's one collective: the thresholds' spread over ranks (0.25: one layer differs; 0 without
     LoGo layers) and the largest peak memory (1.5 and 2.5 GiB on the two ranks), the same on both ranks."""
-    mp.spawn(_maxima_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_maxima_worker, (free_port(), str(tmp_path)), 2)
     got = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
     assert torch.equal(got[0], got[1]) and got[0].dtype == torch.float64
     torch.testing.assert_close(got[0], torch.tensor([[0.25, 2.5], [0.0, 2.5]], dtype=torch.float64))

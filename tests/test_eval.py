@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, read_metrics, run_train, scratch_dir
+from conftest import ROOT, read_metrics, run_python, run_train, scratch_dir
 from logo.eval.__main__ import main
 
 FIXTURES = ROOT / "tests" / "fixtures" / "lm_eval"
@@ -311,10 +310,9 @@ def test_lm_eval_local_tasks_end_to_end(run, capsys):
 @pytest.mark.slow
 def test_lm_eval_command_line_with_the_logo_model(run):
     """The lm_eval CLI itself (every flag), with the `logo` model registered by importing the adapter."""
-    p = subprocess.run([sys.executable, "-m", "logo.eval.lm_eval_cli", "--model", "logo", "--model_args",
-                        f"checkpoint={run[0]}", "--device", "cpu", "--tasks", "logo_tiny_mc", "--include_path",
-                        str(FIXTURES), "--limit", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    p = run_python([sys.executable, "-m", "logo.eval.lm_eval_cli", "--model", "logo", "--model_args",
+                    f"checkpoint={run[0]}", "--device", "cpu", "--tasks", "logo_tiny_mc", "--include_path",
+                    str(FIXTURES), "--limit", "2"], timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "logo_tiny_mc" in p.stdout and "acc" in p.stdout
 

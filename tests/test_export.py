@@ -363,14 +363,13 @@ def test_weights_written_in_shards_read_back_exactly(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_trained_logo_run_exports_through_cli(tmp_path, default_corpus, tokens):
     """A tiny LoGo model trained 2 steps by train.py, exported by `python -m logo.export`, equals in transformers."""
-    import subprocess
     import sys
-    from conftest import ROOT, TINY_RUN, run_train
+    from conftest import TINY_RUN, run_python, run_train
     run_train(*TINY_RUN, "attention=logo", "train.steps=2", f"run.dir={tmp_path / 'run'}")
     cli = [sys.executable, "-m", "logo.export", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "fp32"]
-    p = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = run_python(cli)
     assert p.returncode == 0, p.stderr[-2000:]
-    again = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=300)  # non-empty, no --force
+    again = run_python(cli)  # non-empty, no --force
     assert again.returncode == 2 and again.stderr.strip().count("\n") == 0 and "--force" in again.stderr
     native = logo.load_pretrained(tmp_path / "run", device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32).eval()

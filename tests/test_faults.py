@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (CKPT_ARGS, CKPT_STEPS, ROOT, SLOW_BOX_TIMEOUT, TINY_RUN, logged, read_metrics,
+from conftest import (CKPT_ARGS, CKPT_STEPS, SLOW_BOX_TIMEOUT, TINY_RUN, logged, read_metrics, run_python,
                       run_train, same_rows, start_fault_train, wait_for_train)
 
 N, ARGS, T = CKPT_STEPS, CKPT_ARGS, SLOW_BOX_TIMEOUT
@@ -142,13 +142,17 @@ def test_free_space_check_fails_before_writing(tmp_path):
 
 
 def link_run(src: Path, dst: Path, steps=None) -> Path:
-    """A copy of the run directory `src` made of hard links (a test that damages a file breaks its link first),
-    with only the checkpoints of `steps` (all when None)."""
+    """A copy of the run directory `src` with only the checkpoints of `steps` (all when None): the checkpoint shards
+    hard-linked (a run only reads them; a test that damages one breaks its link first), every other file copied (a
+    resumed run rewrites metrics.jsonl in place, which through a link would change `src`, a session fixture)."""
     def keep(d, names):
         if Path(d).name == "checkpoints" and steps is not None:
             return [n for n in names if n not in {f"step_{s:08d}" for s in steps}]
         return []
-    shutil.copytree(src, dst, copy_function=os.link, ignore=keep)
+
+    def copy(s, d):
+        return os.link(s, d) if s.endswith(".distcp") else shutil.copy2(s, d)
+    shutil.copytree(src, dst, copy_function=copy, ignore=keep)
     return dst
 
 
@@ -257,8 +261,8 @@ def test_empty_validation_split_warns_then_stops_the_run(tmp_path, default_corpu
     line naming eval.interval (no `eval 0.0000 (ppl 1.00)`)."""
     src = tmp_path / "docs.txt"
     src.write_text("\n\n".join(f"document {i}: " + "some words " * 50 for i in range(20)))
-    prep = subprocess.run([sys.executable, "-m", "data.prepare", str(src), "--out", str(tmp_path / "corpus"),
-                           "--val-fraction", "0"], cwd=ROOT, capture_output=True, text=True, timeout=T)
+    prep = run_python([sys.executable, "-m", "data.prepare", str(src), "--out", str(tmp_path / "corpus"),
+                       "--val-fraction", "0"], timeout=T)
     assert prep.returncode == 0, prep.stderr[-2000:]
     assert "the validation split is empty" in prep.stderr
     line = one_line_error(run_train(*TINY_RUN, "train.steps=2", "eval.interval=1", "data=shards",
@@ -295,8 +299,7 @@ def prepared_corpus(tmp_path: Path) -> Path:
     src = tmp_path / "docs.txt"
     src.write_text("\n\n".join(f"document {i}: " + "some words and numbers " * (20 + i) for i in range(60)))
     out = tmp_path / "corpus"
-    prep = subprocess.run([sys.executable, "-m", "data.prepare", str(src), "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=T)
+    prep = run_python([sys.executable, "-m", "data.prepare", str(src), "--out", str(out)], timeout=T)
     assert prep.returncode == 0, prep.stderr[-2000:]
     return out
 

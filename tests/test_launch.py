@@ -18,11 +18,12 @@ FAKE_SBATCH = """#!/usr/bin/env bash
 n=$(( $(cat "$STATE/n" 2>/dev/null || echo 100) + 1 )); echo $n > "$STATE/n"; echo "$*" >> "$STATE/calls"
 echo "$n;cluster"
 """
-# srun: one argument a line into $STATE/srun, exits $SRUN_RC; with SRUN_WAIT it waits for SIGUSR1 (then exits 0)
+# srun: one argument a line into $STATE/srun, exits $SRUN_RC; with SRUN_WAIT it waits for SIGUSR1 (then ends its
+# sleep, which holds the batch script's output open, and exits 0)
 FAKE_SRUN = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$STATE/srun"
 if [ -n "${SRUN_WAIT:-}" ]; then
-    trap 'echo USR1 >> "$STATE/srun_signals"; exit 0' USR1
+    trap 'echo USR1 >> "$STATE/srun_signals"; kill $!; exit 0' USR1
     touch "$STATE/srun_started"; sleep 30 & wait; exit 9
 fi
 exit "${SRUN_RC:-0}"

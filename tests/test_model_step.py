@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_python
 from logo.config import AttentionConfig, model_config
 from logo.model.flops import attention_flops_per_token, mfu, realized_ratios, train_flops_per_token
 
@@ -21,9 +21,8 @@ def _model_step_module():
 
 def test_model_step_cpu_smoke(tmp_path):
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, "benchmarks/model_step.py", "--shapes", "tiny", "--kinds", "full,logo",
-                        "--steps", "2", "--warmup", "0", "--host-timing", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    p = run_python([sys.executable, "benchmarks/model_step.py", "--shapes", "tiny", "--kinds", "full,logo",
+                    "--steps", "2", "--warmup", "0", "--host-timing", "--out", str(out)], timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["results"]

@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-import torch.multiprocessing as mp
 
-from conftest import TINY_RUN, free_port, read_metrics, run_train, scratch_dir
+from conftest import TINY_RUN, free_port, read_metrics, run_train, scratch_dir, start_ranks
 from data.loader import Batch
 from logo.config import AttentionConfig, ModelConfig
 from logo.model import Transformer
@@ -181,7 +180,7 @@ def test_halos_are_the_window_before_each_piece(cp):
     ids=["tp2-full", "tp2-logo", "tp2_compiled-logo", "cp2-full", "cp2-logo", "cp4-logo"])
 def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, compiled, kind):
     world = layout[0] * layout[1]
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), layout, kind, compiled), nprocs=world, join=True)
+    start_ranks(_worker, (free_port(), str(tmp_path), layout, kind, compiled), world)
     model, mb = build(kind), micro_batch()
     out = model(mb.inputs, cu_seqlens=mb.cu_seqlens)
     ref = loss_sum(out, mb.labels)
@@ -204,7 +203,7 @@ def test_tensor_parallel_under_bf16_autocast_equals_one_process(tmp_path):
     """The GPU path without FSDP: fp32 weights, bf16 autocast. The LoGo gate then takes its weight gradient from
     the projections' bf16 copy of x through a custom autograd function whose inputs tensor parallelism makes
     DTensors; the gradients of every parameter match one process within bf16 rounding."""
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), (2, 1), "logo", False, True), nprocs=2, join=True)
+    start_ranks(_worker, (free_port(), str(tmp_path), (2, 1), "logo", False, True), 2)
     model, mb = build("logo", bf16=True), micro_batch()
     out = forward(model, mb, bf16=True)
     ref = loss_sum(out, mb.labels)

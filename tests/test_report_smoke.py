@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY_RUN, run_train, scratch_dir, train_env
+from conftest import ROOT, TINY_RUN, run_python, run_train, scratch_dir, train_env
 from logo.report.__main__ import main
 
 pytestmark = pytest.mark.slow  # one short training run and a perplexity evaluation
@@ -20,8 +20,8 @@ def smoke_run(tmp_path_factory, default_corpus):
     with scratch_dir(tmp_path_factory, "smoke") as root:
         run = root / "runs" / "tiny-logo-smoke"
         run_train(*TINY_RUN, "attention=logo", "train.steps=2", f"run.dir={run}")
-        p = subprocess.run([sys.executable, "-m", "logo.eval", "perplexity", str(run), "--tokens", "256"], cwd=ROOT,
-                           env=train_env(), capture_output=True, text=True, timeout=600)
+        p = run_python([sys.executable, "-m", "logo.eval", "perplexity", str(run), "--tokens", "256"], env=train_env(),
+                       timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
         yield run
 

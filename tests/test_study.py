@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, terminal_sigint, train_env
+from conftest import ROOT, run_python, terminal_sigint, train_env
 
 
 def _module(name: str, path: str):
@@ -151,9 +151,8 @@ def test_ctrl_c_or_sigterm_stops_the_study_and_its_training_run(tmp_path, sig):
 def test_the_tiny_study_trains_evaluates_and_reports_every_arm(tmp_path, capsys):
     """One seed of the four arms at the CPU size, their evaluations, then the family's report."""
     runs, logs, out = tmp_path / "runs", tmp_path / "logs", tmp_path / "report"
-    p = subprocess.run([sys.executable, "-m", "launch.study", "mini", "--size", "tiny", "--seeds", "0",
-                        "--runs-dir", str(runs), "--log-dir", str(logs), "--out", str(out)], cwd=ROOT,
-                       env=train_env(), capture_output=True, text=True, timeout=900)
+    p = run_python([sys.executable, "-m", "launch.study", "mini", "--size", "tiny", "--seeds", "0",
+                    "--runs-dir", str(runs), "--log-dir", str(logs), "--out", str(out)], env=train_env(), timeout=900)
     lines = p.stdout.splitlines()
     assert lines[0].endswith(f"mini (tiny): 4 runs on the CPU; logs in {logs}")
     for arm in ("transformer", "inter_layer", "intra_layer", "logo"):

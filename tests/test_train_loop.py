@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_RUN, read_metrics, run_train, scratch_dir, train_cmd
+from conftest import ROOT, TINY_RUN, read_metrics, run_python, run_train, scratch_dir, train_cmd
 
 N = 8  # steps of the straight run; the resumed run restarts from step N/2
 LAYERS = 4  # model=tiny
@@ -165,11 +165,10 @@ def test_init_from_loads_model_and_thresholds_only(straight, tmp_path):
 
 def test_plot_metrics_script(straight, tmp_path):
     d, _ = straight
-    p = subprocess.run([os.sys.executable, "-m", "logo.analysis.plot_metrics", str(d), "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = run_python([os.sys.executable, "-m", "logo.analysis.plot_metrics", str(d), "--out", str(tmp_path)],
+                   timeout=120)
     assert p.returncode == 0, p.stderr
     for name in ("loss.png", "ratio.png", "threshold.png", "gate.png", "ratio_heatmap.png"):
         assert (tmp_path / name).stat().st_size > 1000
-    bad = subprocess.run([os.sys.executable, "-m", "logo.analysis.plot_metrics", str(tmp_path / "nope")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    bad = run_python([os.sys.executable, "-m", "logo.analysis.plot_metrics", str(tmp_path / "nope")], timeout=60)
     assert bad.returncode == 2 and "does not exist" in bad.stderr

@@ -25,9 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# Modules every training run imports (none that a test runs as `-m`: runpy warns when its module was imported before);
+# matplotlib.pyplot draws the ratio heatmap (its backend stays unset here: the code that plots picks Agg).
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch._dynamo", "hydra", "omegaconf", "numpy",
            "logo.run.config", "logo.run.checkpoint", "logo.train.trainer", "logo.train.peers", "logo.train.rundir",
-           "data.format")
+           "data.format", "data.default_corpus", "data.sources", "data.outputs", "data.tokenizer", "matplotlib.pyplot")
 
 
 # ---- the zygote's side --------------------------------------------------------------------------------------------
