@@ -33,9 +33,10 @@ ATTENTION = ["full", "local", "inter_layer", "intra_layer", "inter_layer_logo", 
              "logo_aux_loss", "logo_no_pmask"]
 # bf16 autocast on both sides; the tp side sums each projection over two head/column halves, so a gate near its
 # threshold can route a token differently (seen: up to 4 of 2048 per layer). Relative gradient errors: a few percent
-# at most on every parameter but the gates; a gate's gradient flows only through its selected tokens, so one token
-# routed otherwise moves it by up to ~25% (seen 0.23 with 1 of 945 tokens flipped), and by a few percent otherwise.
-LOSS_RTOL, GRAD_RTOL, GATE_RTOL, GATE_RTOL_ROUTED_OTHERWISE, MAX_FLIPPED = 2e-3, 0.1, 0.05, 0.35, 8
+# at most with the same routing; a token routed otherwise changes its layer's output and so every gradient upstream:
+# most of all a gate's, whose gradient flows only through its selected tokens (seen: 0.23 with 1 of 945 tokens
+# flipped).
+LOSS_RTOL, GRAD_RTOL, GATE_RTOL, ROUTED_OTHERWISE_RTOL, MAX_FLIPPED = 2e-3, 0.1, 0.05, 0.35, 8
 
 
 def gpus(n: int):
@@ -43,7 +44,7 @@ def gpus(n: int):
 
 
 def tp_cases(tmp_path, *args) -> list[dict]:
-    out = tmp_path / "tp.jsonl"
+    out = tmp_path / f"tp{len(list(tmp_path.glob('tp*.jsonl')))}.jsonl"  # the worker appends: one file per call
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "multigpu_tp_worker.py"), "--out", str(out), *args]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -58,11 +59,11 @@ def check_tp(cases: list[dict], expected: int) -> None:
     for c in cases:
         what = (c["attention"], c["backend"], c["compile"], c["ac"])
         assert abs(c["loss_tp"] - c["loss_one"]) <= LOSS_RTOL * c["loss_one"], what
-        assert c["grad_err_max"] <= GRAD_RTOL, (what, c["worst"], c["grad_err_max"])
         assert not c["missing_grads"] and c["routing_same_on_tp_ranks"], what
         flipped = [abs(a - b) for a, b in zip(c.get("selected_tp", []), c.get("selected_one", []))]
         assert max(flipped, default=0) <= MAX_FLIPPED, (what, flipped)
-        gate_rtol = GATE_RTOL_ROUTED_OTHERWISE if any(flipped) else GATE_RTOL
+        grad_rtol, gate_rtol = (ROUTED_OTHERWISE_RTOL, ROUTED_OTHERWISE_RTOL) if any(flipped) else (GRAD_RTOL, GATE_RTOL)
+        assert c["grad_err_max"] <= grad_rtol, (what, c["worst"], c["grad_err_max"], flipped)
         assert c["gate_grad_err_max"] <= gate_rtol, (what, c["gate_grad_err_max"], flipped)
 
 

@@ -199,6 +199,71 @@ def test_tensor_and_context_parallel_equal_one_process(tmp_path, layout, compile
         assert 0 < out.routing[:, 0].sum() < out.routing[:, 1].sum()  # routing is really mixed
 
 
+def _compiled_cp_worker(rank, port, out_dir, batches, ac):
+    """cp=2, compiled blocks: each micro-batch's forward and backward, with the collectives this rank issued for it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from logo.parallel import ParallelDims, parallelize
+        from logo.parallel.cp import context_parallel, shard_batch
+        dims = ParallelDims.build(2, 1, 2, "cpu")
+        model = build("logo")
+        group = dims.submesh("cp").get_group()
+        parallelize(model, None, torch.float64, compile_blocks=True, activation_checkpointing=ac,
+                    cp_mesh=dims.submesh("cp"))
+        issued, losses = [], []
+        for mb in batches:
+            local, positions, lay = shard_batch(mb, 2, rank, window=4)
+            before = group._get_sequence_number_for_group()
+            with context_parallel(model, lay):
+                out = model(local.inputs, cu_seqlens=local.cu_seqlens, positions=positions)
+                loss = loss_sum(out, local.labels)
+                loss.backward()
+            issued.append(group._get_sequence_number_for_group() - before)
+            losses.append(loss.detach().clone())
+        for loss in losses:
+            dist.all_reduce(loss)
+        grads = {n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): p.grad
+                 for n, p in model.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g)
+        breaks = dict(torch._dynamo.utils.counters["graph_break"])  # a break: the block (partly) ran eagerly
+        torch.save({"issued": issued, "losses": losses, "grads": grads, "breaks": breaks},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+def test_compiled_context_parallel_issues_the_same_collectives_on_every_rank(tmp_path, ac):
+    """Compiled blocks under cp=2 over micro-batches whose pieces differ in shape from rank to rank (the first
+    compiled graph is static, later ones dynamic, and a rank reuses the static one when its shapes recur): every
+    micro-batch issues the same collectives on both ranks (one issuing a collective the other does not deadlocks
+    NCCL): one all-gather per gathered tensor in the forward, its reduce-scatter in the backward, and with
+    activation checkpointing every all-gather once more in the recomputed forward; the losses and gradients equal
+    one process's."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 128, (4, 2, T), generator=g)
+    cus = [[0, 5, 16, 21, 27, 32], [0, 3, 16, 29, 32], [0, 11, 16, 18, 32], [0, 5, 16, 21, 27, 32]]
+    batches = [Batch(t, t, torch.tensor(cu, dtype=torch.int32), torch.ones(2, T, dtype=torch.bool))
+               for t, cu in zip(tokens, cus)]
+    start_ranks(_compiled_cp_worker, (free_port(), str(tmp_path), batches, ac), 2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    per_layer = 3 + 3 + 3 * ac  # forward: the global keys, values and the window's halo rows; backward: their
+    # reduce-scatters (and the recomputed forward's all-gathers)
+    assert ranks[0]["issued"] == ranks[1]["issued"] == [per_layer * 2] * len(batches)
+    assert ranks[0]["breaks"] == ranks[1]["breaks"] == {}
+    model = build("logo")
+    for mb, got in zip(batches, ranks[0]["losses"]):
+        ref = loss_sum(model(mb.inputs, cu_seqlens=mb.cu_seqlens), mb.labels)
+        ref.backward()
+        torch.testing.assert_close(got, ref.detach(), rtol=1e-12, atol=1e-10)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ranks[0]["grads"][n], p.grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
 def test_tensor_parallel_under_bf16_autocast_equals_one_process(tmp_path):
     """The GPU path without FSDP: fp32 weights, bf16 autocast. The LoGo gate then takes its weight gradient from
     the projections' bf16 copy of x through a custom autograd function whose inputs tensor parallelism makes

@@ -232,6 +232,14 @@ class ContextParallelOps(dispatch.AttentionOps):
     def fuses_branches(self, q, A, backend: str) -> bool:
         return self.layout is None and super().fuses_branches(q, A, backend)
 
+    def recomputes_branch_inputs(self) -> bool:
+        """Not while the ops communicate: the collectives would sit in a selective-recomputation region, where
+        torch.compile's partitioner may rerun one in the backward of some graphs (with dynamic shapes) and not of
+        others; ranks whose pieces differ in shape hold different graphs for one micro-batch, and a collective
+        issued by one rank only hangs NCCL. Outside such regions the partitioner never reruns a collective (under
+        full activation checkpointing every rank reruns them all)."""
+        return self.layout is None and super().recomputes_branch_inputs()
+
     def _gather_all(self, x: torch.Tensor) -> torch.Tensor:
         """Local rows (N_local, H, D) -> every row of the micro-batch in sequence order (B*T, H, D)."""
         L = self.layout
