@@ -158,11 +158,12 @@ def _zygote() -> _Zygote:
 
 
 def usable(cmd: list) -> bool:
-    """Whether `run` forks this command: the test interpreter running a script or `-m module`, not torchrun."""
+    """Whether `run` forks this command: the test interpreter running a script or `-m module` (torchrun too: the
+    launcher is the fork, its ranks are the real processes it starts)."""
     if os.environ.get("LOGO_TEST_FORK", "1") == "0" or len(cmd) < 2 or cmd[0] != sys.executable:
         return False
     if cmd[1] == "-m":
-        return len(cmd) >= 3 and cmd[2] != "torch.distributed.run"
+        return len(cmd) >= 3
     return not cmd[1].startswith("-")
 
 
