@@ -109,12 +109,12 @@ def run_python(cmd: list, *, env=None, cwd=None, timeout: float = 300) -> subpro
     return zygote.run(cmd, env=dict(os.environ if env is None else env), cwd=cwd or ROOT, timeout=timeout)
 
 
-def start_fault_train(*overrides, fault: str = "", release=None) -> subprocess.Popen:
-    """train.py through tests/fault_entry.py in the background (stdout/stderr piped as text): LOGO_FAULT=fault
-    when given; `release`: a path whose creation ends the fault's sleep (LOGO_FAULT_RELEASE)."""
+def start_fault_train(*overrides, fault: str = "", release=None):
+    """train.py through tests/fault_entry.py in the background (a fork of the test zygote, `zygote.start`; its output
+    as text at the end): LOGO_FAULT=fault when given; `release`: a path whose creation ends the fault's sleep
+    (LOGO_FAULT_RELEASE)."""
     env = {**({"LOGO_FAULT": fault} if fault else {}), **({"LOGO_FAULT_RELEASE": str(release)} if release else {})}
-    return subprocess.Popen(train_cmd(*overrides, fault=True), cwd=ROOT, env=train_env(env=env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return zygote.start(train_cmd(*overrides, fault=True), env=train_env(env=env), cwd=ROOT)
 
 
 def read_metrics(run_dir) -> list:
