@@ -28,6 +28,13 @@ def _worker_threads() -> int:
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(_worker_threads()))
 
+# The processes a worker starts keep the memory they free for their next allocations: the tiny model's 100k-token
+# embedding, its gradient, its Adam moments and a checkpoint's buffers are blocks of 100 MiB and more, which glibc
+# otherwise maps afresh (and the kernel zeroes page by page) at every allocation; about 8% less CPU per training
+# run. An explicit GLIBC_TUNABLES is kept.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296")
+
 import torch  # noqa: E402
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
