@@ -101,9 +101,13 @@ def train_env(nproc: int = 1, env=None) -> dict:
 def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True, env=None, cwd=None,
               fault: bool = False):
     """Run train.py in a subprocess (one process: a fork of the test zygote, `zygote.py`); returns the
-    CompletedProcess (stdout/stderr as text)."""
-    p = zygote.run(train_cmd(*overrides, nproc=nproc, fault=fault), env=train_env(nproc, env), cwd=cwd or ROOT,
-                   timeout=timeout)
+    CompletedProcess (stdout/stderr as text). Under torchrun (nproc > 1), torchrun is the fork, and on a machine
+    without CUDA its ranks are forks of it (`--run-path --start-method=fork`: they start with the trainer's modules
+    imported) unless `fault`: a fault's ranks are fresh interpreters, as a user's are."""
+    cmd = train_cmd(*overrides, nproc=nproc, fault=fault)
+    if nproc > 1 and not fault and zygote.usable(cmd) and not torch.cuda.is_available():
+        cmd[4:4] = ["--run-path", "--start-method=fork"]
+    p = zygote.run(cmd, env=train_env(nproc, env), cwd=cwd or ROOT, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py {' '.join(overrides)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}"
                              f"\n--- stderr\n{p.stderr[-4000:]}")
