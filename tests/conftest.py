@@ -54,17 +54,15 @@ TINY_RUN = ["model=tiny", "stage.seq_len=64", "stage.global_batch_tokens=256", "
 
 
 # pytest-xdist deals whole files to the workers (--dist loadfile), and the run ends when the last file does. The files
-# that take longest are dealt first, longest first (their time in the README's command on a 2-core CPU, in seconds:
+# that take longest are dealt first, longest first (about their seconds in the README's command on a 2-core CPU:
 # multi-process tests, training runs, the Triton interpreter's kernels), so that the short files fill the end.
-LONG_FILES = ("test_parallel.py",  # 550
-              "test_faults_ranks.py", "test_faults.py",  # 300, 290
-              "test_triton_kernels.py", "test_train_distributed.py", "test_checkpoint_async.py",  # 225, 205, 190
-              "test_study.py", "test_export.py",  # 185, 110
-              "test_train_loop.py", "test_logo_branches.py", "test_eval.py", "test_rope_transform.py",  # 75-90
-              "test_cli_outputs.py", "test_report_sweep.py",  # 75, 60
-              "test_parallelize.py", "test_benchmarks_dp.py", "test_controller_distributed.py", "test_launch.py",  # 50
-              "test_train_mix.py", "test_config_compose.py", "test_budget.py", "test_attention_ops.py",  # 30-35
-              "test_context_fuse.py")
+LONG_FILES = ("test_faults.py", "test_triton_kernels.py", "test_parallel.py",  # 290, 220, 215
+              "test_faults_ranks.py", "test_export.py", "test_train_distributed.py", "test_checkpoint_async.py",  # 120
+              "test_study.py", "test_cli_outputs.py", "test_logo_branches.py", "test_train_loop.py",  # 100-75
+              "test_rope_transform.py", "test_report_sweep.py", "test_eval.py",  # 75
+              "test_config_compose.py", "test_benchmarks_dp.py", "test_train_mix.py", "test_budget.py",  # 55-35
+              "test_parallelize.py", "test_attention_ops.py", "test_context_fuse.py",  # 35-30
+              "test_train_dashboards.py", "test_config_errors.py", "test_report_inputs.py", "test_launch.py")  # 25-20
 
 
 def pytest_configure(config):
