@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY_RUN, logged, rank_pid, read_metrics, run_train, train_cmd, train_env, wait_for_train
+from conftest import (ROOT, TINY_RUN, logged, rank_pid, read_metrics, run_python, run_train, train_cmd, train_env,
+                      wait_for_train)
 
 
 def test_a_dead_peer_rank_is_named_in_one_line(tmp_path, default_corpus):
@@ -102,8 +103,7 @@ def test_torchrun_restarts_resume_from_the_last_checkpoint(tmp_path, default_cor
     run_train(*args, f"run.dir={tmp_path / 'clean'}", nproc=2, timeout=600)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            str(ROOT / "tests" / "fault_entry.py"), *args, f"run.dir={tmp_path / 'restarted'}"]
-    p = subprocess.run(cmd, cwd=ROOT, env=train_env(2, {"LOGO_FAULT": "die:5:1"}), capture_output=True, text=True,
-                       timeout=600)
+    p = run_python(cmd, env=train_env(2, {"LOGO_FAULT": "die:5:1"}), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed from" in p.stderr + p.stdout
     clean = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "clean")}

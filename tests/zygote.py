@@ -5,15 +5,18 @@ torch._dynamo and Hydra. The zygote (this file run as a script, one per test pro
 imports them once; each command is then a fork that runs the script or module as `__main__` with the command's
 argv, environment, working directory and standard streams, and ends like the interpreter: SystemExit's code, 1
 with the traceback on stderr for an exception, atexit handlers and non-daemon threads run. `run` returns a
-`subprocess.CompletedProcess`. LOGO_TEST_FORK=0 makes `run` start real subprocesses instead; so does a
-machine with a CUDA device (a fork cannot use CUDA that its parent started).
+`subprocess.CompletedProcess`; `start` runs the command in the background and returns a `Forked`, the part of
+`subprocess.Popen` the tests use. LOGO_TEST_FORK=0 makes both start real subprocesses instead; so does a machine
+with a CUDA device (a fork cannot use CUDA that its parent started).
 
-Protocol (one JSON line each way on the zygote's stdin / stdout): request {"argv", "env", "cwd", "out", "err"};
-replies {"pid"} when the fork started, then {"returncode"} when it ended (negative: killed by that signal).
+Protocol (one JSON line each way on the zygote's stdin / stdout; several commands may run at once, each named by the
+request's id): request {"id", "argv", "env", "cwd", "out", "err"}; replies {"id", "pid"} when the fork started, then
+{"id", "returncode"} when it ended (negative: killed by that signal).
 """
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import select
@@ -98,22 +101,49 @@ def _child(req: dict) -> None:
     os._exit(code & 0xFF)
 
 
+def _reply(msg: dict) -> None:
+    data = (json.dumps(msg) + "\n").encode()
+    while data:
+        data = data[os.write(1, data):]
+
+
 def _serve() -> None:
     import importlib
     for name in PRELOAD:
         importlib.import_module(name)
-    reply = sys.stdout
-    for line in sys.stdin:
-        req = json.loads(line)
-        reply.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(req)
-        reply.write(json.dumps({"pid": pid}) + "\n")
-        reply.flush()
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        reply.flush()
+    wake_r, wake_w = os.pipe()  # SIGCHLD writes a byte here: a fork ended
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    running: dict = {}  # pid: request id
+    pending = b""
+    while True:
+        ready = select.select([0, wake_r], [], [])[0]
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            _reply({"id": running.pop(pid), "returncode": os.waitstatus_to_exitcode(status)})
+        if 0 not in ready:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return  # the test process ended
+        pending += chunk
+        while b"\n" in pending:
+            line, _, pending = pending.partition(b"\n")
+            req = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_r)
+                os.close(wake_w)
+                _child(req)
+            running[pid] = req["id"]
+            _reply({"id": req["id"], "pid": pid})
 
 
 # ---- the test process's side --------------------------------------------------------------------------------------
@@ -128,24 +158,40 @@ class _Zygote:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, bufsize=0,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.pending = b""
+        self.replies: dict = {}  # request id: what its replies said so far
+        self.ids = 0
         self.streams = Path(tempfile.mkdtemp(prefix="logo-test-forks-"))
         atexit.register(shutil.rmtree, self.streams, True)
 
-    def send(self, req: dict) -> None:
+    def send(self, cmd: list, env: dict, cwd) -> tuple[int, Path, Path]:
+        """Ask for a fork running `cmd`; returns (request id, stdout file, stderr file)."""
+        self.ids += 1
+        out, err = (self.streams / f"{self.ids}.{name}" for name in ("out", "err"))
+        req = {"id": self.ids, "argv": cmd[1:], "env": dict(env), "cwd": str(cwd), "out": str(out), "err": str(err)}
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        return self.ids, out, err
 
-    def reply(self, deadline: float | None = None) -> dict | None:
-        """The next reply, or None at the deadline."""
-        while b"\n" not in self.pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self.proc.stdout], [], [], timeout)[0]:
+    def _read(self, deadline: float | None) -> bool:
+        """Take in the replies that arrive before the deadline (None: wait for one); False if none did."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            return False
+        chunk = os.read(self.proc.stdout.fileno(), 65536)
+        if not chunk:
+            raise RuntimeError(f"the test zygote ended (exit code {self.proc.wait()})")
+        self.pending += chunk
+        while b"\n" in self.pending:
+            line, _, self.pending = self.pending.partition(b"\n")
+            msg = json.loads(line)
+            self.replies.setdefault(msg.pop("id"), {}).update(msg)
+        return True
+
+    def reply(self, rid: int, key: str, deadline: float | None = None):
+        """The `key` ("pid" or "returncode") of request `rid`, or None at the deadline."""
+        while key not in self.replies.get(rid, {}):
+            if not self._read(deadline):
                 return None
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
-            if not chunk:
-                raise RuntimeError(f"the test zygote ended (exit code {self.proc.wait()})")
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
-        return json.loads(line)
+        return self.replies[rid][key]
 
 
 _ZYGOTE: _Zygote | None = None
@@ -166,15 +212,23 @@ def _cuda_present() -> bool:
 
 
 def usable(cmd: list) -> bool:
-    """Whether `run` forks this command: the test interpreter running a script or `-m module`, not torchrun, on a
-    machine without CUDA devices."""
+    """Whether `run` forks this command: the test interpreter running a script or `-m module` (torchrun too: the
+    launcher is the fork, its ranks are the real processes it starts), on a machine without CUDA devices."""
     if os.environ.get("LOGO_TEST_FORK", "1") == "0" or len(cmd) < 2 or cmd[0] != sys.executable:
         return False
     if _cuda_present():
         return False
     if cmd[1] == "-m":
-        return len(cmd) >= 3 and cmd[2] != "torch.distributed.run"
+        return len(cmd) >= 3
     return not cmd[1].startswith("-")
+
+
+def _read_streams(out: Path, err: Path) -> tuple[str, str]:
+    """The text a fork wrote to its stdout and stderr files, which are then removed."""
+    texts = tuple(p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
+    for p in (out, err):
+        p.unlink(missing_ok=True)
+    return texts
 
 
 def run(cmd: list, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
@@ -183,22 +237,81 @@ def run(cmd: list, env: dict, cwd, timeout: float) -> subprocess.CompletedProces
     if not usable(cmd):
         return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     z = _zygote()
-    out, err = (z.streams / f"{time.monotonic_ns()}.{name}" for name in ("out", "err"))
-    z.send({"argv": cmd[1:], "env": dict(env), "cwd": str(cwd), "out": str(out), "err": str(err)})
-    pid = z.reply()["pid"]
-    done = z.reply(time.monotonic() + timeout)
-    if done is None:
+    rid, out, err = z.send(cmd, env, cwd)
+    pid = z.reply(rid, "pid")
+    code = z.reply(rid, "returncode", time.monotonic() + timeout)
+    if code is None:
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        z.reply()
-    stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
-    for p in (out, err):
-        p.unlink(missing_ok=True)
-    if done is None:
+        z.reply(rid, "returncode")
+    del z.replies[rid]
+    stdout, stderr = _read_streams(out, err)
+    if code is None:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(cmd, done["returncode"], stdout, stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+class Forked:
+    """A command forked from the zygote in the background, with the part of `subprocess.Popen` the tests use: pid,
+    returncode, poll, wait, send_signal, terminate, kill, communicate (text); stdout and stderr, read after it ended,
+    hold what it wrote (files, not pipes: nothing can be read while it runs)."""
+
+    def __init__(self, cmd: list, env: dict, cwd):
+        self.args, self._z = cmd, _zygote()
+        self._rid, self._out, self._err = self._z.send(cmd, env, cwd)
+        self.pid = self._z.reply(self._rid, "pid")
+        self.returncode = None
+        self._texts = None
+
+    def _ended(self, deadline: float | None):
+        if self.returncode is None:
+            code = self._z.reply(self._rid, "returncode", deadline)
+            if code is not None:
+                self.returncode = code
+                del self._z.replies[self._rid]
+        return self.returncode
+
+    def poll(self):
+        return self._ended(time.monotonic())
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._ended(None if timeout is None else time.monotonic() + timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        if self._texts is None:
+            self._texts = _read_streams(self._out, self._err)
+        return self._texts
+
+    @property
+    def stdout(self):
+        return io.StringIO(self.communicate(0)[0])
+
+    @property
+    def stderr(self):
+        return io.StringIO(self.communicate(0)[1])
+
+
+def start(cmd: list, env: dict, cwd):
+    """`subprocess.Popen(cmd, env=env, cwd=cwd, stdout=PIPE, stderr=PIPE, text=True)`, forked from the zygote (a
+    `Forked`) when `usable(cmd)`."""
+    if not usable(cmd):
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return Forked(cmd, env, cwd)
 
 
 if __name__ == "__main__":
