@@ -51,22 +51,31 @@ print("not ended", flush=True)
 """
 
 
-@pytest.mark.parametrize("peer", ["kill", "live"])
-def test_a_rank_blocked_on_a_dead_peer_is_ended_by_its_watch(peer):
+@pytest.mark.parametrize("peer", ["kill", "kill_after_timeout", "live"])
+def test_a_rank_blocked_on_a_dead_peer_is_ended_by_its_watch(peer, tmp_path):
     """A rank whose peer on the same host died while this rank waits in a collective that never fails (gloo may miss
     the closed connection; NCCL waits out its timeout) says so in one line within the watch's grace and exits 2; a
-    live peer does not trip it (3 s blocked: the watch looks a dozen times, 6 graces)."""
+    live peer does not trip it (3 s blocked: the watch looks a dozen times, 6 graces). Where NCCL's flight recorder
+    has dumped the ranks' collectives (a collective timed out, and the watchdog then ended the peer), the line says
+    where and how to read them."""
     t0 = time.time()
-    blocked = {"kill": 10, "live": 3}[peer]
-    p = subprocess.run([sys.executable, "-c", WATCHED, "0.5", peer, str(blocked)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    blocked = {"kill": 10, "kill_after_timeout": 10, "live": 3}[peer]
+    traces = tmp_path / "comm_traces"
+    traces.mkdir()
+    if peer == "kill_after_timeout":
+        (traces / "rank_1").write_bytes(b"")
+    env = {**os.environ, "TORCH_FR_DUMP_TEMP_FILE": str(traces / "rank_")}
+    p = subprocess.run([sys.executable, "-c", WATCHED, "0.5", peer[:4], str(blocked)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env=env)
     took = time.time() - t0
     pid = p.stdout.split()[1]
     if peer == "live":
         assert p.returncode == 0 and "not ended" in p.stdout and "error" not in p.stderr, p.stderr
         return
     assert p.returncode == 2 and took < 8 and "not ended" not in p.stdout, (p.returncode, took, p.stderr)
-    assert p.stderr.splitlines() == [f"error: rank 1 (pid {pid}) of this run died; rank 0 stops too; the last "
+    hint = (f" after a collective timed out (each rank's last collectives: python -m "
+            f"torch.distributed.flight_recorder.fr_trace {traces} --prefix rank_ -j)") if peer != "kill" else ""
+    assert p.stderr.splitlines() == [f"error: rank 1 (pid {pid}) of this run died{hint}; rank 0 stops too; the last "
                                      f"complete checkpoint stays latest: re-run the same command to resume"]
 
 

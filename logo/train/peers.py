@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
@@ -77,13 +78,25 @@ def lost_peer_message(error: BaseException) -> Optional[str]:
         return f"the rank at {remote.group(1)} of this run died; rank {me} stops too; {RESUME}"
     if re.search(r"timed out|timeout", str(error), re.IGNORECASE):
         return (f"a collective of rank {me} timed out (parallel.timeout_s): another rank stopped answering (hung, or "
-                f"stuck in a slow step); rank {me} stops; {RESUME}")
+                f"stuck in a slow step){_traces()}; rank {me} stops; {RESUME}")
     return None
 
 
 def _died(dead: list[int], me) -> str:
     who = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
-    return f"{who} of this run died; rank {me} stops too; {RESUME}"
+    return f"{who} of this run died{_traces()}; rank {me} stops too; {RESUME}"
+
+
+def _traces() -> str:
+    """Where NCCL's flight recorder put the ranks' last collectives, when it did (on a collective's timeout, before
+    the watchdog ended the rank: the death then followed a hang, and the dumps say which collective each rank
+    waited in); empty otherwise."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if not prefix or not any(Path(prefix).parent.glob(Path(prefix).name + "*")):
+        return ""
+    prefix = Path(prefix)
+    return (f" after a collective timed out (each rank's last collectives: python -m "
+            f"torch.distributed.flight_recorder.fr_trace {prefix.parent} --prefix {prefix.name} -j)")
 
 
 def report_lost_peer(line: str) -> None:
