@@ -103,7 +103,7 @@ def run_train(*overrides, nproc: int = 1, timeout: int = 300, check: bool = True
     without CUDA its ranks are forks of it (`--run-path --start-method=fork`: they start with the trainer's modules
     imported) unless `fault`: a fault's ranks are fresh interpreters, as a user's are."""
     cmd = train_cmd(*overrides, nproc=nproc, fault=fault)
-    if nproc > 1 and not fault and zygote.usable(cmd) and not torch.cuda.is_available():
+    if nproc > 1 and not fault and zygote.usable(cmd):  # usable: no CUDA here
         cmd[4:4] = ["--run-path", "--start-method=fork"]
     p = zygote.run(cmd, env=train_env(nproc, env), cwd=cwd or ROOT, timeout=timeout)
     if check and p.returncode != 0:

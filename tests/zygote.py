@@ -236,21 +236,18 @@ def run(cmd: list, env: dict, cwd, timeout: float) -> subprocess.CompletedProces
     zygote when `usable(cmd)`."""
     if not usable(cmd):
         return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    z = _zygote()
-    rid, out, err = z.send(cmd, env, cwd)
-    pid = z.reply(rid, "pid")
-    code = z.reply(rid, "returncode", time.monotonic() + timeout)
-    if code is None:
+    forked = Forked(cmd, env, cwd)
+    try:
+        forked.wait(timeout)
+    except subprocess.TimeoutExpired:
         try:
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(forked.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        z.reply(rid, "returncode")
-    del z.replies[rid]
-    stdout, stderr = _read_streams(out, err)
-    if code is None:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+        stdout, stderr = forked.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
+    stdout, stderr = forked.communicate()
+    return subprocess.CompletedProcess(cmd, forked.returncode, stdout, stderr)
 
 
 class Forked:

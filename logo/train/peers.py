@@ -77,26 +77,27 @@ def lost_peer_message(error: BaseException) -> Optional[str]:
     if remote:  # on another host: its process cannot be looked at from here
         return f"the rank at {remote.group(1)} of this run died; rank {me} stops too; {RESUME}"
     if re.search(r"timed out|timeout", str(error), re.IGNORECASE):
+        traces = _read_traces()
         return (f"a collective of rank {me} timed out (parallel.timeout_s): another rank stopped answering (hung, or "
-                f"stuck in a slow step){_traces()}; rank {me} stops; {RESUME}")
+                f"stuck in a slow step){f' ({traces})' if traces else ''}; rank {me} stops; {RESUME}")
     return None
 
 
 def _died(dead: list[int], me) -> str:
     who = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
-    return f"{who} of this run died{_traces()}; rank {me} stops too; {RESUME}"
+    traces = _read_traces()
+    after = f" after a collective timed out ({traces})" if traces else ""
+    return f"{who} of this run died{after}; rank {me} stops too; {RESUME}"
 
 
-def _traces() -> str:
-    """Where NCCL's flight recorder put the ranks' last collectives, when it did (on a collective's timeout, before
-    the watchdog ended the rank: the death then followed a hang, and the dumps say which collective each rank
-    waited in); empty otherwise."""
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
-    if not prefix or not any(Path(prefix).parent.glob(Path(prefix).name + "*")):
+def _read_traces() -> str:
+    """How to read the ranks' last collectives, where NCCL's flight recorder dumped them (it does on a collective's
+    timeout, before the watchdog ends the rank: a death then followed a hang); empty where it did not."""
+    prefix = Path(os.environ.get("TORCH_FR_DUMP_TEMP_FILE", ""))
+    if not prefix.name or not any(prefix.parent.glob(prefix.name + "*")):
         return ""
-    prefix = Path(prefix)
-    return (f" after a collective timed out (each rank's last collectives: python -m "
-            f"torch.distributed.flight_recorder.fr_trace {prefix.parent} --prefix {prefix.name} -j)")
+    return (f"each rank's last collectives: python -m torch.distributed.flight_recorder.fr_trace {prefix.parent} "
+            f"--prefix {prefix.name} -j")
 
 
 def report_lost_peer(line: str) -> None:
