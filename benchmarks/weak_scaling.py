@@ -9,9 +9,14 @@ n x micro-batch x accumulation sequences (so every GPU does the same work in eve
 logging steps, so K > 1 is what a training run with the default interval does) and no checkpoint
 (`checkpoint.enable=false`; with --keep-checkpoints, one at the end); `--numa-binding MODE` is torchrun's (each
 rank's threads on the CPUs near its GPU).
+`--fixed-routing` holds the weights still (learning rate 1e-12; the optimizer still does all of its work) and
+gives LoGo layers no P-mask and quantile thresholds, so every step after the first routes rho of the tokens
+globally: the steady state of a long run. Without it a short run's untrained gates move faster than any threshold
+rule follows, and its LoGo steps do the global work of whatever ratio the gates happen to give (0.1-0.9 per step).
 From each run's metrics.jsonl (step times from CUDA events) it reports, over the second half of the records (compilation and warm-up excluded): tokens/s per GPU (median), the efficiency against
 the first GPU count, the step-time spread (min and max against the median), MFU (median) and the peak memory
-per GPU (the largest over ranks). Prints a table and writes <out>/weak_scaling.json.
+per GPU (the largest over ranks) and, for LoGo models, the realized global ratio (median over the same records of
+the layers' mean). Prints a table and writes <out>/weak_scaling.json.
 `--cpu` runs the same on CPU processes over gloo (tests; `parallel.device=cpu`).
 """
 from __future__ import annotations
@@ -28,6 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+# every step routes rho: weights held still, no P-mask, thresholds at the last step's (1 - rho) gate quantile
+FIXED_ROUTING = ["stage.lr=1e-12", "stage.lr_min=1e-12", "attention.pmask=false", "attention.budget_control=quantile"]
 
 
 def run_overrides(overrides: list[str], n: int, micro: int, accum: int, seq_len: int, steps: int,
@@ -56,18 +65,22 @@ def summarize(records: list[dict], world: int) -> dict:
            "peak_memory_gib_per_gpu": max(r["memory_gib"] for r in steps), "loss_last": steps[-1]["loss"]}
     if "mfu" in half[0]:
         out["mfu_median"] = statistics.median(r["mfu"] for r in half)
+    if "logo/ratio_mean" in half[0]:
+        out["global_ratio_median"] = statistics.median(r["logo/ratio_mean"] for r in half)
     return out
 
 
 def format_table(rows: list[dict]) -> str:
     head = ("| GPUs | tokens/s per GPU | efficiency | step time (median) | spread min / max | MFU "
-            "| peak memory per GPU |")
-    lines = [head, "|---|---|---|---|---|---|---|"]
+            "| peak memory per GPU | global ratio |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfu = f"{100 * r['mfu_median']:.1f}%" if "mfu_median" in r else "-"
+        ratio = f"{r['global_ratio_median']:.3f}" if "global_ratio_median" in r else "-"
         lines.append(f"| {r['world_size']} | {r['tokens_per_s_per_gpu']:,.0f} | {100 * r['efficiency']:.1f}% | "
                      f"{1e3 * r['step_time_median_s']:.1f} ms | {100 * r['step_time_min_vs_median']:+.1f}% / "
-                     f"{100 * r['step_time_max_vs_median']:+.1f}% | {mfu} | {r['peak_memory_gib_per_gpu']:.2f} GiB |")
+                     f"{100 * r['step_time_max_vs_median']:+.1f}% | {mfu} | {r['peak_memory_gib_per_gpu']:.2f} GiB | "
+                     f"{ratio} |")
     return "\n".join(lines)
 
 
@@ -82,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-checkpoints", action="store_true", help="save a checkpoint at the end of each run")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     ap.add_argument("--log-interval", type=int, default=1, help="steps per metrics record (logging.interval)")
+    ap.add_argument("--fixed-routing", action="store_true",
+                    help="weights held still and LoGo thresholds at the gates' quantile: every step routes rho")
     ap.add_argument("--numa-binding", choices=["node", "socket", "exclusive", "core-complex"],
                     help="torchrun's --numa-binding for every run")
     ap.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
@@ -92,8 +107,9 @@ def main(argv=None) -> int:
         ap.error(f"--steps must give at least 2 records of --log-interval={args.log_interval} steps")
     from logo.config import ConfigError
     from logo.run.config import compose
+    overrides = [*args.overrides, *(FIXED_ROUTING if args.fixed_routing else [])]
     try:
-        seq_len = compose(list(args.overrides))[0].stage.seq_len
+        seq_len = compose(overrides)[0].stage.seq_len
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -106,7 +122,7 @@ def main(argv=None) -> int:
             shutil.rmtree(run_dir)  # a fresh run, not a resume of an older one
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                *([f"--numa-binding={args.numa_binding}"] if args.numa_binding else []),
-               str(ROOT / "train.py"), *run_overrides(args.overrides, n, args.micro_batch, args.accum, seq_len,
+               str(ROOT / "train.py"), *run_overrides(overrides, n, args.micro_batch, args.accum, seq_len,
                                                       args.steps, run_dir, args.cpu, args.keep_checkpoints,
                                                       args.log_interval)]
         print("$ " + " ".join(cmd[2:]), flush=True)
@@ -129,7 +145,7 @@ def main(argv=None) -> int:
     base = rows[0]["tokens_per_s_per_gpu"]
     for r in rows:
         r["efficiency"] = r["tokens_per_s_per_gpu"] / base
-    result = {"overrides": args.overrides, "micro_batch": args.micro_batch, "accum": args.accum,
+    result = {"overrides": overrides, "micro_batch": args.micro_batch, "accum": args.accum,
               "seq_len": seq_len, "steps": args.steps, "log_interval": args.log_interval,
               "numa_binding": args.numa_binding, "device": "cpu" if args.cpu else "cuda", "runs": rows}
     (out / "weak_scaling.json").write_text(json.dumps(result, indent=1))

@@ -322,10 +322,35 @@ def test_triton_tile_plan_equals_the_reference(lengths, mode, by_key):
     rows, q_pos, cu_q = (t.to(dev) for t in select(lengths, mode, seed=1))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     n = rows.shape[0]
-    first, last, slot, lists = _tiles.tile_plan(q_pos, rows, cu_q, cu, n, by_key)
+    first, last, slot, slot_rows, lists = _tiles.tile_plan(q_pos, rows, cu_q, cu, n, by_key)
+    assert slot_rows is rows
     want_first, want_last = blocks.slot_intervals(q_pos, rows, cu_q, cu, blocks.padded_slots(n))
     assert torch.equal(first, want_first) and torch.equal(last, want_last)
     assert torch.equal(rows[slot.long()], torch.arange(n, device=dev, dtype=rows.dtype))  # slot inverts rows
+    want = blocks.tile_lists(want_first, want_last, n, by_key)
+    for (cnt, idx), (wcnt, widx) in zip((lists[:2], lists[2:]), (want[:2], want[2:])):
+        assert torch.equal(cnt, wcnt)
+        for r in range(cnt.shape[-1]):
+            c = int(cnt[0, 0, r])
+            assert torch.equal(idx[0, 0, r, :c], widx[0, 0, r, :c]), r
+
+
+@pytest.mark.parametrize("lengths,mode", [([384], "random"), ([37, 500, 5, 226], "random"), ([129, 127], "all"),
+                                          ([700, 68], "skip_a_seq"), ([200, 56], "none")])
+@pytest.mark.parametrize("by_key", [False, True], ids=["by_query", "by_key"])
+def test_triton_tile_plan_longest_first_reverses_the_query_tiles(lengths, mode, by_key):
+    """With longest_first the plan's slots are the selection's query tiles in reverse order: intervals, each slot's
+    row and the lists equal the reference's on the reversed slots, and each row's slot inverts the slots' rows."""
+    from logo.kernels.flash import _tiles
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, q_pos, cu_q = (t.to(dev) for t in select(lengths, mode, seed=2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    n = rows.shape[0]
+    first, last, slot, slot_rows, lists = _tiles.tile_plan(q_pos, rows, cu_q, cu, n, by_key, longest_first=True)
+    want_first, want_last = (blocks.longest_first(t) for t in blocks.slot_intervals(q_pos, rows, cu_q, cu, n))
+    assert torch.equal(first, want_first) and torch.equal(last, want_last)
+    assert torch.equal(slot_rows, blocks.longest_first(rows))
+    assert torch.equal(slot_rows[slot.long()], torch.arange(n, device=dev, dtype=rows.dtype))
     want = blocks.tile_lists(want_first, want_last, n, by_key)
     for (cnt, idx), (wcnt, widx) in zip((lists[:2], lists[2:]), (want[:2], want[2:])):
         assert torch.equal(cnt, wcnt)

@@ -6,8 +6,9 @@ same contract as `logo.kernels.reference`:
 - query-sparse (rows given): the selected rows are gathered into slot order (the order of `rows`), one packed
   batch of all slots over all keys; each slot's key interval is the kernel's mask function, read from two index
   tensors, and the 128 x 128 tile lists skip every tile no slot sees (the unselected rows' tiles among them); both
-  come from `_tiles.tile_plan` (two Triton launches; `blocks.py` is its PyTorch reference). Outputs and dQ are
-  gathered back to row order. FlashAttention-4's backward takes block sparsity only without varlen offsets, hence
+  come from `_tiles.tile_plan` (two Triton launches; `blocks.py` is its PyTorch reference). The query tiles are laid
+  out longest first (`blocks.longest_first`) where the slots fill whole tiles. Outputs and dQ are gathered back to
+  row order. FlashAttention-4's backward takes block sparsity only without varlen offsets, hence
   the one packed batch with the document bounds inside the intervals;
 - sliding window and dense causal (rows None): varlen attention over cu_seqlens, `window_size=(window - 1, 0)`
   for the window; dense causal over whole rows of `seqlen` tokens (seqlen > 0: no documents) as a (B, T) batch,
@@ -50,12 +51,15 @@ def _empty(*shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
 
 def _plan(q_pos, rows, cu_q, cu_k, n_keys: int, by_key: bool):
     """The slots' key intervals (padded to whole tiles: the mask function may read a tile's every row), each row's
-    slot (outputs go back to row order by a gather, faster than the scatter `index_copy_`) and the block sparsity
-    of the forward (per query tile) or of the backward (by_key: per key tile)."""
-    first, last, slot, (pc, pi, wc, wi) = _tiles.tile_plan(q_pos, rows, cu_q, cu_k, n_keys, by_key)
+    slot (outputs go back to row order by a gather, faster than the scatter `index_copy_`), the row each slot holds
+    and the block sparsity of the forward (per query tile) or of the backward (by_key: per key tile). The query tiles
+    run longest first (`blocks.longest_first`) where the slots fill whole tiles."""
+    longest_first = rows.shape[0] % _tiles.blocks.TILE == 0
+    first, last, slot, slot_rows, (pc, pi, wc, wi) = _tiles.tile_plan(q_pos, rows, cu_q, cu_k, n_keys, by_key,
+                                                                      longest_first)
     tiles = (_tiles.blocks.TILE,) * 2
-    return first, last, slot.long(), BlockSparseTensorsTorch(mask_block_cnt=pc, mask_block_idx=pi, full_block_cnt=wc,
-                                                             full_block_idx=wi, block_size=tiles)
+    return first, last, slot.long(), slot_rows.long(), BlockSparseTensorsTorch(
+        mask_block_cnt=pc, mask_block_idx=pi, full_block_cnt=wc, full_block_idx=wi, block_size=tiles)
 
 
 def _window(window: int) -> tuple:
@@ -83,9 +87,9 @@ def attn_forward(q, k, v, q_pos, rows, cu_q, cu_k, scale: float, window: int, se
         _fa._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, softmax_scale=scale, causal=True,
                             window_size_left=left, window_size_right=right, out=o, lse=lse, return_lse=True)
         return o, lse
-    first, last, slot, sparsity = _plan(q_pos, rows, cu_q, cu_k, k.shape[0], by_key=False)
+    first, last, slot, slot_rows, sparsity = _plan(q_pos, rows, cu_q, cu_k, k.shape[0], by_key=False)
     o_slots = _empty(1, n, H, D, like=q)
-    _fa._flash_attn_fwd(q.index_select(0, rows.long())[None], k[None], v[None], softmax_scale=scale, causal=False,
+    _fa._flash_attn_fwd(q.index_select(0, slot_rows)[None], k[None], v[None], softmax_scale=scale, causal=False,
                         mask_mod=_slot_sees_key, aux_tensors=[first, last], block_sparse_tensors=sparsity,
                         out=o_slots, lse=lse[None], return_lse=True)
     return torch.index_select(o_slots[0], 0, slot, out=o), lse
@@ -106,8 +110,7 @@ def attn_backward(do, q, k, v, o, lse, q_pos, rows, cu_q, cu_k, scale: float, wi
         _fa._flash_attn_bwd(q, k, v, o, do, lse, scale, True, 0.0, left, right, cu_seqlens_q=cu_q,
                             cu_seqlens_k=cu_k, dq=dq, dk=dk, dv=dv)
         return dq, dk, dv
-    idx = rows.long()
-    first, last, slot, sparsity = _plan(q_pos, rows, cu_q, cu_k, k.shape[0], by_key=True)
+    first, last, slot, idx, sparsity = _plan(q_pos, rows, cu_q, cu_k, k.shape[0], by_key=True)
     dq_slots = _empty(1, n, H, D, like=q)
     _fa._flash_attn_bwd(q.index_select(0, idx)[None], k[None], v[None], o.index_select(0, idx)[None],
                         do.index_select(0, idx)[None], lse[None], scale, False, 0.0, None, None,

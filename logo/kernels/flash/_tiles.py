@@ -5,6 +5,7 @@ the PyTorch version is ~50 small operations, each with its own host time, on eve
 - `_query_tiles_kernel`, one program per query tile of TILE slots: each slot's sequence (binary search over cu_q)
   and key interval, the tile's bounds (lowest / highest first and last of its live slots, whether all are live),
   and, when asked, its lists of key tiles seen in part and whole (a prefix sum over the key tiles packs them left);
+  with `longest_first`, program m lays out the slots of the selection's tile mq - 1 - m (`blocks.longest_first`);
 - `_key_tiles_kernel`, one program per key tile: from every query tile's bounds, its lists of query tiles (the
   backward's direction).
 """
@@ -41,15 +42,20 @@ def _pack(mask, idx, CNT, IDX, row, STRIDE):
     tl.store(CNT + row, tl.sum(m, 0))
 
 
-@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "NK", "MK"])
-def _query_tiles_kernel(QPOS, ROWS, CU_Q, CU_K, FIRST, LAST, SLOT, BOUNDS, PC, PI, WC, WI, NQ, NSEQ, STEPS, NK, MK,
-                        LISTS: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr):
+@triton.jit(do_not_specialize=["NQ", "NSEQ", "STEPS", "NK", "MK", "MQ"])
+def _query_tiles_kernel(QPOS, ROWS, CU_Q, CU_K, FIRST, LAST, SLOT, SLOT_ROWS, BOUNDS, PC, PI, WC, WI, NQ, NSEQ, STEPS,
+                        NK, MK, MQ, LISTS: tl.constexpr, REVERSE: tl.constexpr, TILE: tl.constexpr,
+                        BK: tl.constexpr):
     m = tl.program_id(0)
-    slots = m * TILE + tl.arange(0, TILE)
-    rows = tl.load(ROWS + slots, mask=slots < NQ, other=0)
-    tl.store(SLOT + rows, slots, mask=slots < NQ)  # the inverse permutation: each row's slot
-    first, last = _row_spans(slots, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
-    live = slots < tl.load(CU_Q + NSEQ)
+    lane = tl.arange(0, TILE)
+    picked = ((MQ - 1 - m) if REVERSE else m) * TILE + lane  # the selection's order: position in `rows`
+    slots = m * TILE + lane  # where the kernels see them
+    rows = tl.load(ROWS + picked, mask=picked < NQ, other=0)
+    tl.store(SLOT + rows, slots, mask=picked < NQ)  # the inverse permutation: each row's slot
+    if REVERSE:
+        tl.store(SLOT_ROWS + slots, rows, mask=picked < NQ)
+    first, last = _row_spans(picked, rows, QPOS, CU_Q, CU_K, NSEQ, STEPS, 0, False, False)
+    live = picked < tl.load(CU_Q + NSEQ)
     first = tl.where(live, first, 0)
     last = tl.where(live, last, -1)
     tl.store(FIRST + slots, first)
@@ -86,25 +92,34 @@ def _key_tiles_kernel(BOUNDS, PC, PI, WC, WI, NK, MQ, TILE: tl.constexpr, BQ: tl
     _pack(whole & inb, q, WC, WI, n, MQ)
 
 
-def tile_plan(q_pos, rows, cu_q, cu_k, n_keys: int, by_key: bool):
-    """(first, last, slot, lists): `blocks.slot_intervals` over the padded slots, each row's slot (N,) int32 (the
-    inverse of the permutation `rows`, to gather outputs back to row order) and `blocks.tile_lists` (the forward's
-    when not by_key, the backward's when by_key), computed on the device in two launches."""
+def _int32_buffers(dev, *shapes):
+    """Int32 tensors of the given shapes as views of one allocation (one allocator call instead of one each; every
+    view starts 16-byte aligned)."""
+    sizes = [-(-int(torch.Size(sh).numel()) // 4) * 4 for sh in shapes]
+    flat = torch.empty(sum(sizes), device=dev, dtype=torch.int32)
+    return [part[:torch.Size(sh).numel()].view(sh) for part, sh in zip(flat.split(sizes), shapes)]
+
+
+def tile_plan(q_pos, rows, cu_q, cu_k, n_keys: int, by_key: bool, longest_first: bool = False):
+    """(first, last, slot, slot_rows, lists): `blocks.slot_intervals` over the padded slots, each row's slot (N,)
+    int32 (the inverse of the slots' rows, to gather outputs back to row order), the row each slot holds (N,)
+    (`rows` itself unless longest_first) and `blocks.tile_lists` (the forward's when not by_key, the backward's when
+    by_key), computed on the device in two launches. longest_first (N a multiple of TILE): the selection's query
+    tiles in reverse order (`blocks.longest_first`)."""
     n = rows.shape[0]
     tile = blocks.TILE
+    if longest_first and n % tile:
+        raise ValueError(f"longest_first needs a whole number of {tile}-slot tiles, got {n} slots")
     mq, mk = blocks.padded_slots(n) // tile, -(-n_keys // tile)
-    dev = rows.device
-    first = torch.empty(mq * tile, device=dev, dtype=torch.int32)
-    last = torch.empty_like(first)
-    slot = torch.empty(n, device=dev, dtype=torch.int32)
-    bounds = torch.empty(mq, 8, device=dev, dtype=torch.int32)
     rows_out, cols = (mk, mq) if by_key else (mq, mk)
-    pc, wc = (torch.empty(1, 1, rows_out, device=dev, dtype=torch.int32) for _ in range(2))
-    pi, wi = (torch.empty(1, 1, rows_out, cols, device=dev, dtype=torch.int32) for _ in range(2))  # read to count
+    first, last, slot, slot_rows, bounds, pc, wc, pi, wi = _int32_buffers(
+        rows.device, (mq * tile,), (mq * tile,), (n,), (n if longest_first else 0,), (mq, 8), (1, 1, rows_out),
+        (1, 1, rows_out), (1, 1, rows_out, cols), (1, 1, rows_out, cols))
     nseq, steps = _steps(cu_q)
-    launch(_query_tiles_kernel, (mq,), q_pos, rows, cu_q, cu_k, first, last, slot, bounds, pc, pi, wc, wi, n, nseq,
-           steps, n_keys, mk, LISTS=not by_key, TILE=tile, BK=triton.next_power_of_2(mk), num_warps=4)
+    launch(_query_tiles_kernel, (mq,), q_pos, rows, cu_q, cu_k, first, last, slot, slot_rows, bounds, pc, pi, wc, wi,
+           n, nseq, steps, n_keys, mk, mq, LISTS=not by_key, REVERSE=longest_first, TILE=tile,
+           BK=triton.next_power_of_2(mk), num_warps=4)
     if by_key:
         launch(_key_tiles_kernel, (mk,), bounds, pc, pi, wc, wi, n_keys, mq, TILE=tile,
                BQ=triton.next_power_of_2(mq), num_warps=4)
-    return first, last, slot, (pc, pi, wc, wi)
+    return first, last, slot, slot_rows if longest_first else rows, (pc, pi, wc, wi)

@@ -23,6 +23,14 @@ def padded_slots(n: int, tile: int = TILE) -> int:
     return -(-n // tile) * tile
 
 
+def longest_first(x: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """The slots' values x (n_slots, ...) (n_slots a multiple of `tile`) with the query tiles in reverse order.
+    Within a sequence the slots are in position order, so its later tiles see the most keys; FlashAttention-4's
+    non-causal scheduler starts tiles in index order, and reversed the longest start first and the shortest fill the
+    kernel's end (its causal scheduler does the same for dense attention)."""
+    return x.reshape(-1, tile, *x.shape[1:]).flip(0).flatten(0, 1)
+
+
 def slot_intervals(q_pos: torch.Tensor, rows: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                    n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(first, last) (n_slots,) int32: the packed keys [first, last] slot i sees. Slot i < n_sel holds row rows[i]
