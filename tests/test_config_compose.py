@@ -189,3 +189,15 @@ def test_bf16_reduction_of_replicated_weights_needs_a_gpu():
                                           r"parallelism reduces in bf16 through NCCL only"):
         _plan(*args, "parallel.data_parallel=replicate", "parallel.device=cpu", world=2)
     assert _plan(*args, "parallel.data_parallel=shard", "parallel.device=cpu", world=2).data_parallel == "shard"
+
+
+def test_cuda_graph_blocks_on_several_ranks_need_replicated_data_parallelism():
+    """train.compile_mode=reduce-overhead (CUDA-graphed blocks) plans on several ranks only with replicated data
+    parallelism and tp = cp = 1 (DDP's all-reduce runs outside the blocks); FSDP, tp or cp refuse in one line."""
+    from logo.config import ConfigError
+    args = ("model=tiny", "stage.seq_len=64", "stage.global_batch_tokens=512", "train.micro_batch=1",
+            "train.compile=true", "train.compile_mode=reduce-overhead", "parallel.device=cpu")
+    assert _plan(*args, "parallel.data_parallel=replicate", world=2).data_parallel == "replicate"
+    for extra, world in ((("parallel.data_parallel=shard",), 2), (("parallel.tp=2",), 2), (("parallel.cp=2",), 4)):
+        with pytest.raises(ConfigError, match=r"^invalid config train.compile_mode='reduce-overhead' with \d ranks"):
+            _plan(*args, *extra, world=world)

@@ -9,6 +9,7 @@
   compiled, follows one GPU's losses over 20 steps;
 - composed layouts (4 GPUs) through train.py: tp=2 x cp=2, tp=2 x dp=2 and cp=2 x dp=2 follow one GPU's losses
   over 20 steps on the same global batch, with LoGo thresholds bitwise equal on every rank;
+- CUDA-graphed blocks under replicated data parallelism (2 GPUs) follow one GPU's losses over 20 steps;
 - a run saved on 4 GPUs resumes on 2 (and one saved on 2 resumes on 4; 2 <-> 1 on a 2-GPU node) and continues the
   uninterrupted curve;
 - a rank killed on NCCL: the other says so in one line and exits within seconds.
@@ -118,6 +119,19 @@ def test_composed_layouts_follow_one_gpu(one_gpu, tmp_path, layout):
     run_train(*RUN, *layout, f"run.dir={tmp_path}", nproc=4, timeout=900)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 4 and plan["tp"] * plan["cp"] * plan["dp"] == 4
+    follows(read_metrics(tmp_path), one_gpu, range(1, STEPS + 1))
+
+
+@gpus(2)
+def test_cuda_graphs_under_replicated_data_parallelism_follow_one_gpu(one_gpu, tmp_path):
+    """dp=2 with the blocks replayed as CUDA graphs (train.compile_mode=reduce-overhead, DDP: the gradient
+    all-reduce runs outside the graphs; two micro-batches per rank and step) follows one GPU's losses over 20
+    steps on the same global batch, thresholds equal on both ranks."""
+    run = [a for a in RUN if not a.startswith("train.micro_batch=")]
+    run_train(*run, "train.micro_batch=1", "train.compile=true", "train.compile_mode=reduce-overhead",
+              "parallel.data_parallel=replicate", f"run.dir={tmp_path}", nproc=2, timeout=900)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert (plan["world_size"], plan["dp"], plan["data_parallel"], plan["grad_accum"]) == (2, 2, "replicate", 2)
     follows(read_metrics(tmp_path), one_gpu, range(1, STEPS + 1))
 
 

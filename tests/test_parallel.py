@@ -402,8 +402,8 @@ def test_blocks_compile_with_the_mode_and_the_block_options(monkeypatch, mode):
 @pytest.mark.parametrize("kind", ["logo", "full", "intra_layer"])
 def test_replicate_bucket_follows_the_model(kind):
     """parallel.bucket_mb=null: a model with LoGo layers all-reduces every gradient in one bucket (past DDP's
-    first), after the backward; other models, and any under context parallelism, in DDP_BUCKET_MB buckets. The value reaches the DDP that replicate
-    builds; an explicit bucket_mb wins."""
+    first), after the backward; other models, and any under context parallelism or with CUDA-graphed blocks, in
+    DDP_BUCKET_MB buckets. The value reaches the DDP that replicate builds; an explicit bucket_mb wins."""
     from torch.distributed._composable.replicate import replicate
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -417,6 +417,7 @@ def test_replicate_bucket_follows_the_model(kind):
         want = mib + 1 if kind == "logo" else fsdp.DDP_BUCKET_MB
         assert fsdp.ddp_bucket_mb(model) == want
         assert fsdp.ddp_bucket_mb(model, context_parallel=True) == fsdp.DDP_BUCKET_MB
+        assert fsdp.ddp_bucket_mb(model, cuda_graphs=True) == fsdp.DDP_BUCKET_MB
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
         for bucket_mb, cap in ((None, want), (3, 3)):
             model = build(kind, bf16=True)

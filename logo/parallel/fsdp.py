@@ -6,7 +6,7 @@ The model module knows nothing of what happens here. Order (as in torchtitan): t
 ranks, one of:
 - replicate (DDP, `torch.distributed._composable.replicate`): every rank holds the whole fp32 model and runs it
   under bf16 autocast exactly as one GPU does; gradients are all-reduced in buckets while the backward runs (a
-  model with LoGo layers and no context parallelism: in one all-reduce after it, `ddp_bucket_mb`). No
+  model with LoGo layers, no context parallelism and no CUDA graphs: in one all-reduce after it, `ddp_bucket_mb`). No
   per-module hooks in the forward and no weight traffic: the fastest choice whenever the whole training state fits;
 - shard (FSDP2): `fully_shard` on the embedding, on every block, on [final norm, output head] and on the root,
   with a bf16/fp32 `MixedPrecisionPolicy`: weights, gradients and optimizer states sharded, each unit's bf16
@@ -77,13 +77,14 @@ def gradient_mib(model: torch.nn.Module) -> int:
     return -(-sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) // 2**20)
 
 
-def ddp_bucket_mb(model: torch.nn.Module, context_parallel: bool = False) -> int:
-    """The automatic all-reduce bucket (parallel.bucket_mb=null): for a model with LoGo layers one bucket of every
-    gradient (past DDP's first bucket of 1 MiB), so the all-reduce runs after the backward instead of beside it (on
-    4 GPUs of one host LoGo's backward lost more to the overlapping collectives than the overlap saved; full
-    attention's did not: docs/benchmarks.md); otherwise, and under context parallelism (whose long backward hid
-    the 100 MiB buckets' all-reduce but for a few ms), `DDP_BUCKET_MB`."""
-    one_bucket = bool(getattr(model, "logo_layer_ids", None)) and not context_parallel
+def ddp_bucket_mb(model: torch.nn.Module, context_parallel: bool = False, cuda_graphs: bool = False) -> int:
+    """The automatic all-reduce bucket (parallel.bucket_mb=null): for a model with LoGo layers whose blocks are not
+    CUDA graphs, one bucket of every gradient (past DDP's first bucket of 1 MiB), so the all-reduce runs after the
+    backward instead of beside it (on 4 GPUs of one host such ranks wait for their hosts, and the overlapping
+    collectives cost the backward more than they saved; docs/benchmarks.md); otherwise `DDP_BUCKET_MB`: full
+    attention, context parallelism (whose long backward hid the buckets' all-reduce but for a few ms) and
+    CUDA-graphed blocks (no host pacing the ranks: the buckets' all-reduce hides under the backward)."""
+    one_bucket = bool(getattr(model, "logo_layer_ids", None)) and not (context_parallel or cuda_graphs)
     return gradient_mib(model) + 1 if one_bucket else DDP_BUCKET_MB
 
 
@@ -138,10 +139,14 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
     is one. data_parallel: "shard" (FSDP2, weights in param_dtype) or "replicate" (DDP; the caller runs the forward
     under autocast, as on one GPU). `fsdp`: keyword options of `apply_fsdp` (reduce_dtype, reshard_after_forward,
     forward/backward_prefetch) and bucket_mb; replicate takes reduce_dtype and bucket_mb (None: `ddp_bucket_mb`).
-    compile_mode: torch.compile's mode for the blocks (train.compile_mode; reduce-overhead replays them as CUDA graphs, one device only)."""
-    if compile_blocks and compile_mode == "reduce-overhead" and (dp_mesh is not None or tp_mesh is not None):
-        raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device only: FSDP and tensor "
-                         "parallelism communicate inside the blocks; use train.compile_mode=default")
+    compile_mode: torch.compile's mode for the blocks (train.compile_mode; reduce-overhead replays them as CUDA
+    graphs: on one device or under replicated data parallelism, whose all-reduce runs outside the blocks)."""
+    communicates_inside = tp_mesh is not None or cp_mesh is not None or (dp_mesh is not None
+                                                                         and data_parallel != "replicate")
+    if compile_blocks and compile_mode == "reduce-overhead" and communicates_inside:
+        raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device or under replicated "
+                         "data parallelism only: FSDP, tensor and context parallelism communicate inside the blocks; "
+                         "use train.compile_mode=default")
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
         if dist.get_rank() == 0:
@@ -163,7 +168,8 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
     opts = dict(fsdp or {})
     bucket_mb = opts.pop("bucket_mb", None)
     if dp_mesh is not None and data_parallel == "replicate":
-        bucket_mb = bucket_mb or ddp_bucket_mb(model, context_parallel=cp_mesh is not None)
+        bucket_mb = bucket_mb or ddp_bucket_mb(model, context_parallel=cp_mesh is not None,
+                                               cuda_graphs=compile_blocks and compile_mode == "reduce-overhead")
         reduce = opts.get("reduce_dtype", torch.float32)
         apply_ddp(model, dp_mesh, reduce, bucket_mb)
         if dist.get_rank() == 0:

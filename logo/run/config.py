@@ -169,7 +169,7 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32 | bf16 (half the bytes, bf16-rounded sums)
     # replicate (DDP): MiB of gradients per all-reduce bucket (smaller: the reduction starts earlier in the backward
     # and overlaps more of it, in more collectives). None: 100 MiB, or for a model with LoGo layers without context
-    # parallelism one bucket of every gradient, reduced after the backward (logo.parallel.fsdp.ddp_bucket_mb)
+    # parallelism or CUDA graphs one bucket of every gradient, reduced after the backward (fsdp.ddp_bucket_mb)
     bucket_mb: Optional[int] = None
     forward_prefetch: int = 1  # units each unit all-gathers ahead in forward, issued explicitly (0: implicit only)
     backward_prefetch: int = 1  # the same in backward (0: FSDP2's default implicit prefetch of one unit)

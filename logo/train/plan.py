@@ -162,6 +162,12 @@ def make_plan(cfg: Config, world_size: int, attention_name: str = "", device: to
     device = device or default_device(cfg)
     data_parallel = data_parallel_mode(cfg.model, s.seq_len, micro, dims.dp, dims.cp, dims.tp,
                                        cfg.parallel.data_parallel, gpu_memory_gib(device), t.activation_checkpointing)
+    if t.cuda_graphs and world_size > 1 and (data_parallel != "replicate" or dims.tp > 1 or dims.cp > 1):
+        raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with {world_size} ranks "
+                          f"(tp={dims.tp}, cp={dims.cp}, data parallel: {data_parallel}): CUDA graphs of the blocks "
+                          "run on one device or under replicated data parallelism (tp=cp=1, "
+                          "parallel.data_parallel=replicate); FSDP, tensor and context parallelism communicate inside "
+                          "the blocks. Use train.compile_mode=default")
     if data_parallel == "replicate" and cfg.parallel.reduce_dtype == "bf16" and torch.device(device).type != "cuda":
         raise ConfigError("invalid config parallel.reduce_dtype='bf16': replicated data parallelism reduces in bf16 "
                           "through NCCL only (GPUs); use fp32 on this device, or parallel.data_parallel=shard")

@@ -265,10 +265,6 @@ def train(cfg: Config, resolved: dict, attention_name: str, on_step_end=None, sa
     `save_final=False` skips the checkpoint after the last step (benchmarks)."""
     device, rank, world = _setup_distributed(cfg, Path(planned_run_dir(cfg, attention_name)))
     loss_impl = _loss_impl(cfg, device)  # fails here, before the run directory is looked at
-    if cfg.train.cuda_graphs and world > 1:
-        raise ConfigError(f"invalid config train.compile_mode='reduce-overhead' with {world} ranks: CUDA graphs of "
-                          "the blocks need one device (FSDP and tensor parallelism communicate inside them); use "
-                          "train.compile_mode=default")
     plan = make_plan(cfg, world, attention_name, device)
     check_data(cfg)
     rank0_decides(lambda: _run_dir_call(plan.run_dir, lambda: RunLock(Path(plan.run_dir)).check_free()),
