@@ -77,7 +77,7 @@ def test_weak_scaling_one_vs_two_gloo_ranks(tmp_path, default_corpus):
     """One and two gloo ranks with the same work per rank; --fixed-routing: the LoGo layers' realized ratio is
     reported and, with the weights held still and quantile thresholds, it is rho (0.5) in the steps used."""
     p = run_python([sys.executable, str(ROOT / "benchmarks" / "weak_scaling.py"), "--cpu", "--gpus", "1", "2",
-                    "--micro-batch", "8", "--accum", "2", "--steps", "6", "--fixed-routing", "--out", str(tmp_path),
+                    "--micro-batch", "8", "--accum", "2", "--steps", "4", "--fixed-routing", "--out", str(tmp_path),
                     "--", "model=tiny", "attention=logo", "stage.seq_len=64", "attention.window=8"], timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "weak_scaling.json").read_text())
@@ -86,7 +86,7 @@ def test_weak_scaling_one_vs_two_gloo_ranks(tmp_path, default_corpus):
     assert (one["world_size"], two["world_size"]) == (1, 2) and one["efficiency"] == 1.0
     assert two["efficiency"] == pytest.approx(two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"])
     for r in (one, two):
-        assert r["steps_used"] == [4, 6] and r["tokens_per_s_per_gpu"] > 0 and r["peak_memory_gib_per_gpu"] > 0
+        assert r["steps_used"] == [3, 4] and r["tokens_per_s_per_gpu"] > 0 and r["peak_memory_gib_per_gpu"] > 0
         assert r["step_time_min_vs_median"] <= 0 <= r["step_time_max_vs_median"]
         assert not (tmp_path / f"gpus_{r['world_size']}" / "checkpoints").exists()
         # 1,024 tokens per rank and micro-batch: one batch's gate quantile misses the next batch's by a few percent
@@ -95,7 +95,7 @@ def test_weak_scaling_one_vs_two_gloo_ranks(tmp_path, default_corpus):
     assert [p["global_batch_tokens"] for p in plans] == [1024, 2048]  # the global batch scales with the ranks
     assert plans[0]["lr"] == pytest.approx(1e-12)
     rows = [json.loads(ln) for ln in (tmp_path / "gpus_2" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and all(r["step_time_s"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["step_time_s"] > 0 for r in rows)
     assert "| 2 |" in p.stdout and "efficiency" in p.stdout and "global ratio" in p.stdout
 
 

@@ -310,6 +310,16 @@ def test_flash_logo_block_makes_no_host_sync():
     assert torch.isfinite(grad).all()
 
 
+def assert_same_lists(lists, want):
+    """The (part, whole) tile lists equal: the same counts and, within each count, the same indices (entries past
+    a count are not read)."""
+    for (cnt, idx), (wcnt, widx) in zip((lists[:2], lists[2:]), (want[:2], want[2:])):
+        assert torch.equal(cnt, wcnt)
+        for r in range(cnt.shape[-1]):
+            c = int(cnt[0, 0, r])
+            assert torch.equal(idx[0, 0, r, :c], widx[0, 0, r, :c]), r
+
+
 @pytest.mark.parametrize("lengths,mode", [([300], "random"), ([37, 500, 5, 200], "random"), ([129, 128, 127], "all"),
                                           ([257, 3], "one"), ([100, 90], "none"), ([700, 40], "skip_a_seq")])
 @pytest.mark.parametrize("by_key", [False, True], ids=["by_query", "by_key"])
@@ -328,11 +338,7 @@ def test_triton_tile_plan_equals_the_reference(lengths, mode, by_key):
     assert torch.equal(first, want_first) and torch.equal(last, want_last)
     assert torch.equal(rows[slot.long()], torch.arange(n, device=dev, dtype=rows.dtype))  # slot inverts rows
     want = blocks.tile_lists(want_first, want_last, n, by_key)
-    for (cnt, idx), (wcnt, widx) in zip((lists[:2], lists[2:]), (want[:2], want[2:])):
-        assert torch.equal(cnt, wcnt)
-        for r in range(cnt.shape[-1]):
-            c = int(cnt[0, 0, r])
-            assert torch.equal(idx[0, 0, r, :c], widx[0, 0, r, :c]), r
+    assert_same_lists(lists, want)
 
 
 @pytest.mark.parametrize("lengths,mode", [([384], "random"), ([37, 500, 5, 226], "random"), ([129, 127], "all"),
@@ -352,11 +358,7 @@ def test_triton_tile_plan_longest_first_reverses_the_query_tiles(lengths, mode, 
     assert torch.equal(slot_rows, blocks.longest_first(rows))
     assert torch.equal(slot_rows[slot.long()], torch.arange(n, device=dev, dtype=rows.dtype))
     want = blocks.tile_lists(want_first, want_last, n, by_key)
-    for (cnt, idx), (wcnt, widx) in zip((lists[:2], lists[2:]), (want[:2], want[2:])):
-        assert torch.equal(cnt, wcnt)
-        for r in range(cnt.shape[-1]):
-            c = int(cnt[0, 0, r])
-            assert torch.equal(idx[0, 0, r, :c], widx[0, 0, r, :c]), r
+    assert_same_lists(lists, want)
 
 
 @pytest.mark.gpu
