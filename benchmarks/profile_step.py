@@ -5,7 +5,8 @@
 
 Everything after `--` is a train.py override (any preset, attention kind, batch split). The script runs
 `logo.train.trainer.train` itself (the same loop, data, FSDP, logging as train.py, no final checkpoint), skips
-`--warmup` steps (compilation, allocator warm-up), then records `--steps` steps. Per rank it writes
+`--warmup` steps (compilation, allocator warm-up), then records `--steps` steps; `--fixed-routing` makes every
+LoGo step route rho (`weak_scaling.py`: a short run's untrained gates otherwise give any ratio). Per rank it writes
 `trace_rank<r>.json` (chrome://tracing / perfetto) and `summary_rank<r>.json`; rank 0 prints its breakdown.
 
 The breakdown divides each instant of the recorded steps into one bucket, so the rows add up to the step time:
@@ -280,6 +281,9 @@ def main(argv=None) -> int:
                     help="steps before recording (compilation, warm-up); replicated data parallelism: 10 or more "
                          "(DDP times its first ten iterations with host syncs)")
     ap.add_argument("--steps", type=int, default=3, help="steps recorded")
+    ap.add_argument("--fixed-routing", action="store_true",
+                    help="weights held still and LoGo thresholds at the gates' quantile: every step routes rho "
+                         "(weak_scaling.py's option of the same name)")
     ap.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = ap.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
@@ -299,7 +303,9 @@ def main(argv=None) -> int:
     total = args.warmup + 1 + args.steps + 1  # + the profiler's own warm-up step, + one after recording
     try:
         # held-out evaluation off unless the overrides turn it on (it would run inside the recorded steps)
-        cfg, resolved, attention = compose(["eval.interval=0", *args.overrides, f"train.steps={total}",
+        from weak_scaling import FIXED_ROUTING
+        overrides = [*args.overrides, *(FIXED_ROUTING if args.fixed_routing else [])]
+        cfg, resolved, attention = compose(["eval.interval=0", *overrides, f"train.steps={total}",
                                             "logging.progress_bar=false",
                                             f"run.dir={out / 'run'}", "checkpoint.resume=false",
                                             f"checkpoint.interval={10**9}"])

@@ -60,7 +60,7 @@ def test_gpu_breakdown_of_a_known_timeline():
 
 def test_profile_step_runs_on_cpu(tmp_path, default_corpus):
     p = run_python([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--out", str(tmp_path),
-                    "--warmup", "0", "--steps", "2", "--", *CPU_ARGS], timeout=900)
+                    "--warmup", "0", "--steps", "2", "--fixed-routing", "--", *CPU_ARGS], timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step breakdown: cpu, rank 0 of 1, 2 steps" in p.stdout
     s = json.loads((tmp_path / "summary_rank0.json").read_text())
@@ -70,6 +70,7 @@ def test_profile_step_runs_on_cpu(tmp_path, default_corpus):
     assert {"data", "optimizer", "log"} <= set(s["host_phase_ms"])
     assert json.loads((tmp_path / "trace_rank0.json").read_text())["traceEvents"]
     assert not (tmp_path / "run" / "checkpoints").exists()  # no final checkpoint
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["lr"] == pytest.approx(1e-12)  # --fixed-routing
 
 
 @pytest.mark.slow
