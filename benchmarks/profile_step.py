@@ -296,6 +296,7 @@ def main(argv=None) -> int:
     from logo.run.checkpoint import CheckpointError
     from logo.run.config import compose
     from logo.train.trainer import TrainingDiverged, train
+    from weak_scaling import FIXED_ROUTING
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     out = Path(args.out)
@@ -303,7 +304,6 @@ def main(argv=None) -> int:
     total = args.warmup + 1 + args.steps + 1  # + the profiler's own warm-up step, + one after recording
     try:
         # held-out evaluation off unless the overrides turn it on (it would run inside the recorded steps)
-        from weak_scaling import FIXED_ROUTING
         overrides = [*args.overrides, *(FIXED_ROUTING if args.fixed_routing else [])]
         cfg, resolved, attention = compose(["eval.interval=0", *overrides, f"train.steps={total}",
                                             "logging.progress_bar=false",

@@ -141,9 +141,10 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
     forward/backward_prefetch) and bucket_mb; replicate takes reduce_dtype and bucket_mb (None: `ddp_bucket_mb`).
     compile_mode: torch.compile's mode for the blocks (train.compile_mode; reduce-overhead replays them as CUDA
     graphs: on one device or under replicated data parallelism, whose all-reduce runs outside the blocks)."""
+    cuda_graphs = compile_blocks and compile_mode == "reduce-overhead"
     communicates_inside = tp_mesh is not None or cp_mesh is not None or (dp_mesh is not None
                                                                          and data_parallel != "replicate")
-    if compile_blocks and compile_mode == "reduce-overhead" and communicates_inside:
+    if cuda_graphs and communicates_inside:
         raise ValueError("train.compile_mode=reduce-overhead (CUDA graphs) runs on one device or under replicated "
                          "data parallelism only: FSDP, tensor and context parallelism communicate inside the blocks; "
                          "use train.compile_mode=default")
@@ -168,8 +169,7 @@ def parallelize(model: torch.nn.Module, dp_mesh: Optional[DeviceMesh], param_dty
     opts = dict(fsdp or {})
     bucket_mb = opts.pop("bucket_mb", None)
     if dp_mesh is not None and data_parallel == "replicate":
-        bucket_mb = bucket_mb or ddp_bucket_mb(model, context_parallel=cp_mesh is not None,
-                                               cuda_graphs=compile_blocks and compile_mode == "reduce-overhead")
+        bucket_mb = bucket_mb or ddp_bucket_mb(model, context_parallel=cp_mesh is not None, cuda_graphs=cuda_graphs)
         reduce = opts.get("reduce_dtype", torch.float32)
         apply_ddp(model, dp_mesh, reduce, bucket_mb)
         if dist.get_rank() == 0:
